@@ -1,0 +1,1 @@
+"""Flax attention modules that report per-head max logits for QK-Clip."""
