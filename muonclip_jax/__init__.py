@@ -1,6 +1,16 @@
 """MuonClip for JAX: Muon as Optax transforms, QK-Clip over Flax parameter pytrees."""
 
+from ._alias import muon as muon
+from ._alias import muon_adamw as muon_adamw
 from ._layouts import GQALayout as GQALayout
 from ._layouts import MLALayout as MLALayout
+from ._muon import ScaleByMuonState as ScaleByMuonState
+from ._muon import scale_by_muon as scale_by_muon
+from ._newton_schulz import newton_schulz as newton_schulz
+from ._qk_clip import clip_factors as clip_factors
+from ._qk_clip import qk_clip as qk_clip
+from ._qk_clip import qk_clip_stats as qk_clip_stats
+from ._routing import MatrixAxes as MatrixAxes
+from ._routing import muon_labels as muon_labels
 
 __version__ = "0.1.0"

@@ -1,0 +1,260 @@
+"""scale_by_muon and muon: the Moonlight reference, RMS matching, and the optax battery."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import muonclip_jax as mc
+from _muon_reference import np_muon_step, np_newton_schulz
+
+LR = 0.02
+
+
+def _grads(shapes, step, seed=0):
+  rng = np.random.default_rng(seed * 1000 + step)
+  return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_matches_moonlight_reference(nesterov):
+  """Four steps on rectangular, square, tall and stacked matrices, in float32.
+
+  Tolerance: the NumPy reference runs in float64; float32 Newton–Schulz multiplies a
+  rounding error of ~1e-7 by up to a^5 ~ 5e2 (a = 3.4445), so entries of O agree to ~1e-4
+  relative, and the update is lr * 0.2 * sqrt(max dim) * O.
+  """
+  shapes = {"wide": (24, 40), "square": (32, 32), "tall": (40, 24), "stack": (3, 16, 24)}
+  rng = np.random.default_rng(0)
+  params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+  opt = mc.muon(LR, nesterov=nesterov, matrix_axes={"wide": None, "square": None, "tall": None,
+                                                    "stack": mc.MatrixAxes((-2,), (-1,))})
+  state = opt.init(params)
+  step = jax.jit(opt.update)
+  ref = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  bufs = {k: np.zeros(s) for k, s in shapes.items()}
+  p = params
+  for t in range(4):
+    g = _grads(shapes, t)
+    updates, state = step(g, state, p)
+    p = optax.apply_updates(p, updates)
+    for k in shapes:
+      if k == "stack":
+        outs = [np_muon_step(ref[k][i], g[k][i], bufs[k][i], lr=LR, nesterov=nesterov) for i in range(3)]
+        ref[k] = np.stack([o[0] for o in outs])
+        bufs[k] = np.stack([o[1] for o in outs])
+      else:
+        ref[k], bufs[k] = np_muon_step(ref[k], g[k], bufs[k], lr=LR, nesterov=nesterov)
+  for k in shapes:
+    np.testing.assert_allclose(np.asarray(p[k]), ref[k], rtol=1e-4, atol=2e-5, err_msg=k)
+
+
+def test_rms_modes():
+  g = {"w": jax.random.normal(jax.random.key(0), (16, 64))}
+  o = jax.tree.map(lambda x: np_newton_schulz(np.asarray(x)), g)["w"]
+  for mode, factor in [("moonlight", 0.2 * 8.0), ("keller", 2.0), (None, 1.0)]:
+    tx = mc.scale_by_muon(rms_match=mode, nesterov=False)
+    u, _ = tx.update(g, tx.init(g))
+    np.testing.assert_allclose(np.asarray(u["w"]), factor * o, rtol=1e-4, atol=1e-5, err_msg=str(mode))
+  tx = mc.scale_by_muon(rms_scale=0.3, nesterov=False)
+  u, _ = tx.update(g, tx.init(g))
+  np.testing.assert_allclose(np.asarray(u["w"]), 0.3 * 8.0 * o, rtol=1e-4, atol=1e-5)
+
+
+def test_moonlight_update_rms_matches_adamw_scale():
+  """0.2 * sqrt(max(A, B)) makes the RMS of the update ~0.2 (Moonlight, section 2.2)."""
+  g = {"w": jax.random.normal(jax.random.key(1), (256, 512))}
+  tx = mc.scale_by_muon(ns_coeffs="polar_express")
+  u, _ = tx.update(g, tx.init(g))
+  rms = float(jnp.sqrt(jnp.mean(u["w"] ** 2)))
+  assert 0.17 < rms < 0.22, rms
+
+
+def test_stacked_and_per_head_kernels():
+  k = jax.random.split(jax.random.key(2), 3)
+  stacked = jax.random.normal(k[0], (4, 16, 24))
+  per_head = jax.random.normal(k[1], (16, 4, 6))  # DenseGeneral (in, heads, head_dim)
+  out_proj = jax.random.normal(k[2], (4, 6, 16))  # (heads, head_dim, out)
+  g = {"stacked": stacked, "per_head": per_head, "out": out_proj}
+  axes = {"stacked": mc.MatrixAxes((-2,), (-1,)), "per_head": mc.MatrixAxes((0,), (1, 2)),
+          "out": mc.MatrixAxes((0, 1), (2,))}
+  tx = mc.scale_by_muon(matrix_axes=axes, nesterov=False)
+  u, _ = tx.update(g, tx.init(g))
+  for i in range(4):  # each layer on its own, never one big matrix
+    ref = tx.update({"w": stacked[i]}, tx.init({"w": stacked[i]}))[0]["w"]
+    chex.assert_trees_all_close(u["stacked"][i], ref, atol=1e-5)
+  ref = tx.update({"w": per_head.reshape(16, 24)}, tx.init({"w": per_head.reshape(16, 24)}))[0]["w"]
+  chex.assert_trees_all_close(u["per_head"], ref.reshape(16, 4, 6), atol=1e-5)
+  ref = tx.update({"w": out_proj.reshape(24, 16)}, tx.init({"w": out_proj.reshape(24, 16)}))[0]["w"]
+  chex.assert_trees_all_close(u["out"], ref.reshape(4, 6, 16), atol=1e-5)
+
+
+def test_single_matrix_axes_and_callable():
+  g = {"a": jnp.ones((2, 8, 12)), "b": jnp.ones((3, 12, 8))}
+  tx1 = mc.scale_by_muon(matrix_axes=mc.MatrixAxes((-2,), (-1,)))
+  tx2 = mc.scale_by_muon(matrix_axes=lambda p: jax.tree.map(lambda _: mc.MatrixAxes((1,), (2,)), p))
+  chex.assert_trees_all_close(tx1.update(g, tx1.init(g))[0], tx2.update(g, tx2.init(g))[0])
+
+
+def test_ambiguous_tensor_raises_with_path_and_shape():
+  tx = mc.scale_by_muon()
+  with pytest.raises(ValueError, match=r"layers/attn/kernel: .*shape \(4, 8, 8\)"):
+    tx.init({"layers": {"attn": {"kernel": jnp.ones((4, 8, 8))}}})
+  bad = mc.scale_by_muon(matrix_axes=mc.MatrixAxes((0,), (3,)))
+  with pytest.raises(ValueError, match=r"w: .* names axis 3, but the parameter has shape \(8, 8\)"):
+    bad.init({"w": jnp.ones((8, 8))})
+  with pytest.raises(ValueError, match="at least one fan_in"):
+    mc.MatrixAxes((), (1,))
+
+
+# ---------------------------------------------------------------- the optax battery
+
+
+def _params(dtype=jnp.float32):
+  k = jax.random.split(jax.random.key(3), 2)
+  return {"w1": jax.random.normal(k[0], (16, 32), dtype), "w2": jax.random.normal(k[1], (32, 8), dtype)}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_jit_no_retrace_and_dtype_kept(dtype):
+  chex.clear_trace_counter()
+  params = _params(dtype)
+  opt = mc.muon(LR)
+  state = opt.init(params)
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(params, state):
+    grads = jax.tree.map(lambda p: jnp.sin(p.astype(jnp.float32)).astype(p.dtype), params)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  for _ in range(3):
+    params, state = step(params, state)
+  chex.assert_trees_all_equal_dtypes(params, _params(dtype))
+  chex.assert_trees_all_equal_dtypes(state[0].mu, _params(dtype))
+  assert all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in jax.tree.leaves(params))
+
+
+def test_state_is_arrays_only_and_init_on_shape_dtype_struct():
+  params = _params()
+  opt = mc.muon_adamw(LR)
+  state = opt.init(params)
+  leaves = jax.tree.leaves(state)
+  assert leaves and all(isinstance(x, jax.Array) for x in leaves)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  abstract_state = jax.eval_shape(opt.init, abstract)
+  chex.assert_trees_all_equal_shapes_and_dtypes(abstract_state, state)
+  state2 = mc.muon(LR).init(abstract)  # init directly on ShapeDtypeStruct leaves
+  chex.assert_trees_all_equal_shapes(state2, mc.muon(LR).init(params))
+
+
+def test_mu_dtype_and_compute_dtype():
+  params = _params()
+  opt = mc.scale_by_muon(mu_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
+  state = opt.init(params)
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(state.mu))
+  u, state = opt.update(params, state)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(u))
+  ref, _ = mc.scale_by_muon().update(params, mc.scale_by_muon().init(params))
+  chex.assert_trees_all_close(u, ref, atol=0.1)
+
+
+def _run(opt, params, steps=3):
+  state = opt.init(params)
+  for t in range(steps):
+    g = jax.tree.map(lambda p: jnp.cos(p * (t + 1)), params)
+    updates, state = jax.jit(opt.update)(g, state, params)
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+def test_composes_with_chain_masked_clip_multisteps_and_apply_if_finite():
+  params = _params()
+  chained = optax.chain(optax.clip_by_global_norm(1.0), mc.muon(LR))
+  p, _ = _run(chained, params)
+  chex.assert_tree_all_finite(p)
+  masked = optax.masked(mc.muon(LR), {"w1": True, "w2": False})
+  p, _ = _run(masked, params)
+  assert not np.allclose(p["w1"], params["w1"])  # masked-out w2 gets the raw gradients
+  chex.assert_trees_all_close(p["w2"], _run(optax.identity(), {"w2": params["w2"]})[0]["w2"])
+  # MultiSteps(k=2) over 4 micro-steps equals 2 plain steps on the mean gradients.
+  ms = optax.MultiSteps(mc.muon(LR), every_k_schedule=2)
+  state = ms.init(params)
+  plain, pstate = mc.muon(LR), None
+  pstate = plain.init(params)
+  p_ms, p_plain = params, params
+  for t in range(2):
+    g1 = jax.tree.map(lambda x: jnp.sin(x * (t + 1)), params)
+    g2 = jax.tree.map(lambda x: jnp.cos(x * (t + 2)), params)
+    for g in (g1, g2):
+      u, state = ms.update(g, state, p_ms)
+      p_ms = optax.apply_updates(p_ms, u)
+    mean = jax.tree.map(lambda a, b: (a + b) / 2, g1, g2)
+    u, pstate = plain.update(mean, pstate, p_plain)
+    p_plain = optax.apply_updates(p_plain, u)
+  chex.assert_trees_all_close(p_ms, p_plain, atol=1e-5)
+  # apply_if_finite: a NaN step is skipped and the momentum is kept.
+  safe = optax.apply_if_finite(mc.muon(LR), max_consecutive_errors=3)
+  state = safe.init(params)
+  g = jax.tree.map(jnp.sin, params)
+  _, state = safe.update(g, state, params)
+  mu_before = state.inner_state[0].mu
+  bad = {"w1": g["w1"].at[0, 0].set(jnp.nan), "w2": g["w2"]}
+  u, state = safe.update(bad, state, params)
+  chex.assert_trees_all_equal(u, jax.tree.map(jnp.zeros_like, params))
+  chex.assert_trees_all_equal(state.inner_state[0].mu, mu_before)
+  assert int(state.notfinite_count) == 1
+
+
+def test_inject_hyperparams_and_schedules():
+  params = _params()
+  sched = optax.linear_schedule(LR, 0.0, 10)
+  for factory, kwargs in [(mc.muon, dict(weight_decay=0.1, beta=0.9, rms_scale=0.2)),
+                          (mc.muon_adamw, dict(weight_decay=0.1, adam_b2=0.95))]:
+    opt = optax.inject_hyperparams(factory)(learning_rate=LR, **kwargs)
+    p_inj, state = _run(opt, params)
+    p_ref, _ = _run(factory(LR, **kwargs), params)
+    chex.assert_trees_all_close(p_inj, p_ref, atol=1e-6)
+    assert float(state.hyperparams["learning_rate"]) == pytest.approx(LR)
+    p_sched, _ = _run(factory(sched, **kwargs), params)
+    chex.assert_tree_all_finite(p_sched)
+  # a hyperparameter can change between steps without retracing
+  opt = optax.inject_hyperparams(mc.muon)(learning_rate=LR, weight_decay=0.0)
+  state = opt.init(params)
+  state.hyperparams["weight_decay"] = jnp.asarray(0.5)
+  u, _ = opt.update(jax.tree.map(jnp.zeros_like, params), state, params)
+  chex.assert_trees_all_close(u, jax.tree.map(lambda p: -LR * 0.5 * p, params), rtol=1e-6)
+
+
+def test_zero_gradient_gives_zero_update_and_nan_leaf_is_isolated():
+  params = _params()
+  tx = mc.scale_by_muon()
+  u, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params))
+  chex.assert_trees_all_equal(u, jax.tree.map(jnp.zeros_like, params))
+  for bad_value in (jnp.nan, jnp.inf):
+    g = jax.tree.map(jnp.sin, params)
+    g["w1"] = g["w1"].at[1, 2].set(bad_value)
+    u, state = tx.update(g, tx.init(params))
+    clean, _ = tx.update({"w2": g["w2"]}, tx.init({"w2": params["w2"]}))
+    chex.assert_trees_all_equal(u["w2"], clean["w2"])
+    chex.assert_tree_all_finite(state.mu["w2"])
+
+
+@pytest.mark.parametrize(
+    "factory,kwargs,match",
+    [
+        (mc.muon, dict(weight_decay=-0.1), r"weight_decay must be >= 0.0, got -0.1"),
+        (mc.muon_adamw, dict(adam_weight_decay=-1.0), r"adam_weight_decay must be >= 0.0, got -1.0"),
+        (mc.muon, dict(ns_coeffs="nope"), r"coeffs must be one of .* got 'nope'"),
+        (mc.muon, dict(ns_coeffs=np.ones((2, 2))), r"coeffs must have shape .* got .* \(2, 2\)"),
+        (mc.muon, dict(ns_steps=0), r"steps must be an int >= 1, got 0"),
+        (mc.muon, dict(beta=1.0), r"beta must be >= 0.0 and < 1.0, got 1.0"),
+        (mc.muon, dict(rms_match="adam"), r"rms_match must be one of .* got 'adam'"),
+    ],
+)
+def test_bad_hyperparameters(factory, kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    factory(LR, **kwargs)

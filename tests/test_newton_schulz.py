@@ -1,0 +1,139 @@
+"""newton_schulz against the SVD polar factor, its bands, and its validation."""
+
+import chex
+import hypothesis.extra.numpy as hnp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from muonclip_jax import newton_schulz
+
+# (preset, dtype) -> band of output singular values for input singular values >= CUTOFF of
+# the Frobenius norm, with 5 steps. Measured: muon [0.68, 1.21] f32 / [0.66, 1.20] bf16,
+# polar_express [0.86, 1.15] f32 / [0.82, 1.14] bf16; the bands below add a small margin.
+CUTOFF = 3e-3
+BANDS = {
+    ("muon", jnp.float32): (0.66, 1.22),
+    ("muon", jnp.bfloat16): (0.63, 1.22),
+    ("polar_express", jnp.float32): (0.84, 1.16),
+    ("polar_express", jnp.bfloat16): (0.80, 1.16),
+}
+
+
+def _matrices(seed):
+  rng = np.random.default_rng(seed)
+  for shape in [(48, 48), (32, 80), (80, 32)]:
+    x = rng.standard_normal(shape)
+    yield x
+    u, _, vt = np.linalg.svd(x, full_matrices=False)
+    yield (u * np.logspace(0, -6, min(shape))) @ vt  # condition number 1e6
+
+
+def _svd_response(x, y):
+  """Input singular values (relative to ||x||_F) and diag(U^T y V): p(s) per direction."""
+  u, s, vt = np.linalg.svd(x, full_matrices=False)
+  proj = u.T @ y @ vt.T
+  return s / np.linalg.norm(x), proj
+
+
+@pytest.mark.parametrize("preset,dtype", list(BANDS))
+def test_band_and_polar_factor(preset, dtype):
+  lo, hi = BANDS[(preset, dtype)]
+  for x in _matrices(0):
+    xq = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
+    y = newton_schulz(jnp.asarray(x, dtype), coeffs=preset)
+    assert y.dtype == dtype and y.shape == x.shape
+    y = np.asarray(y.astype(jnp.float32), np.float64)
+    rel, proj = _svd_response(xq, y)
+    d = np.diag(proj)
+    keep = rel >= CUTOFF
+    assert d[keep].min() >= lo and d[keep].max() <= hi, (d[keep].min(), d[keep].max())
+    assert np.linalg.svd(y, compute_uv=False).max() <= hi
+    if dtype == jnp.float32:
+      # Same singular vectors as the polar factor U V^T: U^T y V is diagonal.
+      assert np.abs(proj - np.diag(d)).max() <= 2e-3
+    else:
+      # bf16 rounds every step: on the directions in the band, close to the float32 result.
+      y32 = np.asarray(newton_schulz(jnp.asarray(xq, jnp.float32), coeffs=preset), np.float64)
+      p32 = _svd_response(xq, y32)[1][np.ix_(keep, keep)]
+      assert np.linalg.norm(proj[np.ix_(keep, keep)] - p32) <= 0.15 * np.linalg.norm(p32)  # measured up to 0.11
+
+
+def test_many_steps_converge_to_polar_factor():
+  x = np.random.default_rng(1).standard_normal((24, 40))
+  u, _, vt = np.linalg.svd(x, full_matrices=False)
+  y = newton_schulz(jnp.asarray(x, jnp.float32), steps=12, coeffs="polar_express")
+  np.testing.assert_allclose(np.asarray(y), u @ vt, atol=2e-4)
+
+
+class NewtonSchulzVariantsTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_batch_and_tall_matrices(self):
+    x = jax.random.normal(jax.random.key(0), (3, 40, 24))
+    fn = self.variant(lambda x: newton_schulz(x, coeffs="polar_express"))
+    y = fn(x)
+    chex.assert_shape(y, (3, 40, 24))
+    for i in range(3):
+      chex.assert_trees_all_close(y[i], newton_schulz(x[i], coeffs="polar_express"), atol=1e-5)
+    # A tall matrix is the transpose of the wide one's result.
+    chex.assert_trees_all_close(y[0], newton_schulz(x[0].T, coeffs="polar_express").T, atol=1e-5)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_zero_gives_zero(self):
+    y = self.variant(newton_schulz)(jnp.zeros((8, 16)))
+    chex.assert_trees_all_equal(y, jnp.zeros((8, 16)))
+
+
+def test_custom_coefficients_match_presets():
+  x = jax.random.normal(jax.random.key(1), (16, 32))
+  chex.assert_trees_all_close(
+      newton_schulz(x, coeffs=(3.4445, -4.7750, 2.0315)), newton_schulz(x, coeffs="muon"), atol=0
+  )
+  table = np.tile([3.4445, -4.7750, 2.0315], (3, 1))
+  chex.assert_trees_all_close(newton_schulz(x, steps=3, coeffs=table), newton_schulz(x, steps=3), atol=0)
+
+
+def test_compute_dtype_bf16_keeps_output_dtype():
+  x = jax.random.normal(jax.random.key(2), (16, 32))
+  y = newton_schulz(x, compute_dtype=jnp.bfloat16)
+  assert y.dtype == jnp.float32
+  chex.assert_trees_all_close(y, newton_schulz(x), atol=5e-2)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(coeffs="adam"), "coeffs must be one of"),
+        (dict(coeffs=np.ones((2, 3))), r"coeffs must have shape \(3,\) or \(steps, 3\) = \(5, 3\), got .* \(2, 3\)"),
+        (dict(coeffs=np.ones(4)), r"coeffs must have shape .* got .* \(4,\)"),
+        (dict(steps=0), "steps must be an int >= 1, got 0"),
+        (dict(steps=2.5), "steps must be an int >= 1, got 2.5"),
+        (dict(compute_dtype=jnp.int32), "compute_dtype must be a floating dtype"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    newton_schulz(jnp.ones((4, 4)), **kwargs)
+
+
+def test_rank_one_input_raises():
+  with pytest.raises(ValueError, match=r"rank >= 2, got shape \(4,\)"):
+    newton_schulz(jnp.ones(4))
+
+
+@given(
+    x=hnp.arrays(
+        np.float32,
+        hnp.array_shapes(min_dims=2, max_dims=2, min_side=2, max_side=24),
+        elements=st.floats(-100, 100, width=32, allow_subnormal=False),
+    )
+)
+def test_property_output_bounded_and_finite(x):
+  """For any finite input: finite output whose singular values stay below the band's top."""
+  y = np.asarray(newton_schulz(jnp.asarray(x)), np.float64)
+  assert np.all(np.isfinite(y))
+  assert np.linalg.svd(y, compute_uv=False).max() <= BANDS[("muon", jnp.float32)][1]
