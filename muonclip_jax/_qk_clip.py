@@ -379,3 +379,49 @@ def qk_clip_stats(max_logits: Any, *, threshold: Any) -> dict[str, dict[str, jax
         "num_nonfinite": jnp.sum(~jnp.isfinite(s), axis=-1, dtype=jnp.int32),
     }
   return stats
+
+
+def init_max_logits(params: Any, layout: Any) -> dict:
+  """A ``max_logits`` tree of ``-inf`` for every attention module of ``params``.
+
+  The tree has the structure of the ``intermediates`` collection that the attention modules
+  sow (``{"layers": {"attn": {"max_logits": (*stack, num_heads)}}}``), so that a running
+  maximum over several forward passes (gradient accumulation) can live in a fixed-shape
+  optimizer state. A module is an attention module when it has the query/key projections
+  of its layout (MLA: ``wq_b`` or ``wq``, and ``wkv_b``; GQA: ``wq`` and ``wk``).
+  """
+  _check_layout(layout)
+  by_module: dict[str, dict[str, tuple]] = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    path = _strip_value(path)
+    if len(path) >= 2:
+      by_module.setdefault(_path_str(path[:-2]), {})[_path_str(path[-2:])] = jnp.shape(leaf)
+  tree: dict[str, jax.Array] = {}
+  for module, shapes in by_module.items():
+    q = "wq_b/kernel" if "wq_b/kernel" in shapes else "wq/kernel"
+    is_mla = q in shapes and "wkv_b/kernel" in shapes
+    is_gqa = "wq/kernel" in shapes and "wk/kernel" in shapes
+    if not (is_mla or is_gqa):
+      continue
+    lay = _layout_for(module, layout)
+    if (is_mla if isinstance(lay, MLALayout) else is_gqa):
+      tree[module] = jnp.full((*shapes[q][:-2], lay.num_heads), -jnp.inf, jnp.float32)
+  if not tree:
+    raise ValueError(f"init_max_logits: no attention module for layout {layout!r} in params")
+  return nest_max_logits(tree)
+
+
+def nest_max_logits(flat: Mapping[str, jax.Array]) -> dict:
+  """``{"a/b": x}`` -> ``{"a": {"b": {"max_logits": x}}}``, the shape of ``intermediates``."""
+  tree: dict = {}
+  for module, value in flat.items():
+    node = tree
+    for part in module.split("/") if module else []:
+      node = node.setdefault(part, {})
+    node[_MAX_LOGITS] = value
+  return tree
+
+
+def collect_max_logits(max_logits: Any) -> dict[str, jax.Array]:
+  """``{module path: float32 maxima (*stack, H)}`` of an ``intermediates``-like tree."""
+  return _collect_max_logits(max_logits)

@@ -1,1 +1,26 @@
-"""Flax attention modules that report per-head max logits for QK-Clip."""
+"""Flax attention modules that report per-head max logits for QK-Clip.
+
+Linen: ``MultiHeadLatentAttention`` (DeepSeek-V3 MLA) and ``GroupedQueryAttention``
+(GQA/MHA) sow ``intermediates/.../max_logits`` (float32, ``(num_heads,)``) when the
+``intermediates`` collection is mutable. NNX twins: ``MultiHeadLatentAttentionNNX`` and
+``GroupedQueryAttentionNNX``, captured with ``nnx.capture(model, nnx.Intermediate)``.
+Each module's ``layout`` property is the ``MLALayout``/``GQALayout`` for ``qk_clip``.
+
+The pure functions ``attention``, ``dense_attention`` and ``chunked_attention`` return
+``(out, max_logits)``; ``apply_rope``/``rope_frequencies``/``YarnScaling`` are the rotary
+embeddings. Logical axis names: "embed", "q_lora", "kv_lora", "heads", "kv_heads", "norm".
+"""
+
+from ._attention import ATTENTION_IMPLS as ATTENTION_IMPLS
+from ._attention import attention as attention
+from ._attention import chunked_attention as chunked_attention
+from ._attention import dense_attention as dense_attention
+from ._gqa import GroupedQueryAttention as GroupedQueryAttention
+from ._mla import MultiHeadLatentAttention as MultiHeadLatentAttention
+from ._nnx import GroupedQueryAttentionNNX as GroupedQueryAttentionNNX
+from ._nnx import MultiHeadLatentAttentionNNX as MultiHeadLatentAttentionNNX
+from ._rope import YarnScaling as YarnScaling
+from ._rope import apply_rope as apply_rope
+from ._rope import rope_frequencies as rope_frequencies
+from ._rope import softmax_scale as softmax_scale
+from ._rope import yarn_mscale as yarn_mscale

@@ -1,0 +1,126 @@
+"""A small byte-level DeepSeek-style language model built on the library's MLA module.
+
+Decoder-only: byte embedding, ``num_layers`` pre-norm blocks stacked with ``nn.scan``
+(RMSNorm, ``MultiHeadLatentAttention``, RMSNorm, SwiGLU MLP), final RMSNorm, untied LM head.
+Used by ``train_mla_lm.py`` and by the tests of the train step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+import muonclip_jax as mc
+from muonclip_jax.nn import MultiHeadLatentAttention
+
+VOCAB = 256  # bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+  dim: int = 128
+  num_layers: int = 2
+  num_heads: int = 4
+  q_lora_rank: int = 64
+  kv_lora_rank: int = 32
+  qk_nope_head_dim: int = 16
+  qk_rope_head_dim: int = 16
+  v_head_dim: int = 16
+  mlp_dim: int = 256
+  attention_impl: str = "dense"
+  dtype: Any = None
+
+  @property
+  def layout(self) -> mc.MLALayout:
+    return mc.MLALayout(self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+
+
+def _kernel(*names):
+  return nn.with_logical_partitioning(nn.initializers.lecun_normal(), names)
+
+
+class Block(nn.Module):
+  cfg: LMConfig
+
+  @nn.compact
+  def __call__(self, x, _):
+    cfg = self.cfg
+    norm = functools.partial(
+        nn.RMSNorm, dtype=cfg.dtype, scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",))
+    )
+    x = x + MultiHeadLatentAttention(
+        num_heads=cfg.num_heads,
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        attention_impl=cfg.attention_impl,
+        dtype=cfg.dtype,
+        name="attn",
+    )(norm(name="attn_norm")(x))
+    h = norm(name="mlp_norm")(x)
+    dense = functools.partial(nn.Dense, use_bias=False, dtype=cfg.dtype)
+    gate = dense(cfg.mlp_dim, kernel_init=_kernel("embed", "mlp"), name="w_gate")(h)
+    up = dense(cfg.mlp_dim, kernel_init=_kernel("embed", "mlp"), name="w_up")(h)
+    x = x + dense(x.shape[-1], kernel_init=_kernel("mlp", "embed"), name="w_down")(nn.silu(gate) * up)
+    return x, None
+
+
+class MLALM(nn.Module):
+  """``apply(variables, tokens (B, T) int32) -> logits (B, T, 256)``."""
+
+  cfg: LMConfig
+
+  @nn.compact
+  def __call__(self, tokens):
+    cfg = self.cfg
+    x = nn.Embed(
+        VOCAB, cfg.dim, embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")),
+        dtype=cfg.dtype, name="embed",
+    )(tokens)
+    x, _ = nn.scan(
+        Block,
+        variable_axes={"params": 0, "intermediates": 0},
+        split_rngs={"params": True},
+        length=cfg.num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )(cfg, name="layers")(x, None)
+    x = nn.RMSNorm(dtype=cfg.dtype, scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), name="final_norm")(x)
+    logits = nn.Dense(VOCAB, use_bias=False, dtype=cfg.dtype, kernel_init=_kernel("embed", "vocab"), name="lm_head")(x)
+    return logits.astype(jnp.float32)
+
+
+def init_params(cfg: LMConfig, seed: int, seq_len: int = 16) -> Any:
+  """Float32 params, unboxed (the logical axis names stay available via ``logical_axes``)."""
+  variables = MLALM(cfg).init(jax.random.key(seed), jnp.zeros((1, seq_len), jnp.int32))
+  return nn.unbox(variables["params"])
+
+
+def logical_axes(cfg: LMConfig, seq_len: int = 16) -> Any:
+  """The logical axis names of every parameter (``nn.get_partition_spec`` of the boxes)."""
+  abstract = jax.eval_shape(lambda: MLALM(cfg).init(jax.random.key(0), jnp.zeros((1, seq_len), jnp.int32)))
+  return nn.get_partition_spec(abstract["params"])
+
+
+def make_loss_fn(cfg: LMConfig):
+  """``loss_fn(params, tokens (B, T+1)) -> (mean next-byte cross-entropy, intermediates)``."""
+  model = MLALM(cfg)
+
+  def loss_fn(params, tokens):
+    logits, state = model.apply({"params": params}, tokens[:, :-1], mutable=["intermediates"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    return loss, state["intermediates"]
+
+  return loss_fn
+
+
+# Every Muon-routed kernel of this model is (in, out) or stacked (layers, in, out): the last
+# two axes are the matrix, leading axes are a stack of independent matrices.
+MATRIX_AXES = mc.MatrixAxes((-2,), (-1,))

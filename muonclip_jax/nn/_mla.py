@@ -1,0 +1,276 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2) that reports per-head max logits.
+
+MLA (DeepSeek-V2, arXiv 2405.04434, Sec. 2.1; DeepSeek-V3, arXiv 2412.19437,
+Sec. 2.1.1) with ``n_h`` heads, model width ``d``:
+
+  c^Q = RMSNorm(x W^{DQ})                      (wq_a, q_norm; skipped when q_lora_rank == 0)
+  [q^C_h ; q^R_h] = c^Q W^{UQ}                 (wq_b, or wq = x W^Q without query LoRA)
+  [c^KV ; k^R] = x W^{DKV}                     (wkv_a: the latent, then the shared rotary key)
+  [k^C_h ; v_h] = RMSNorm(c^KV) W^{UKV}        (kv_norm, wkv_b)
+  q_h = [q^C_h ; RoPE(q^R_h)],  k_h = [k^C_h ; RoPE(k^R)]   (k^R shared by all heads)
+  o_h = softmax(softmax_scale * q_h k_h^T + mask) v_h,  y = [o_1 .. o_{n_h}] W^O   (wo)
+
+with ``softmax_scale = 1/sqrt(qk_nope_head_dim + qk_rope_head_dim)`` (times YaRN's
+``mscale^2``). The RMSNorms on the two latents follow DeepSeek-V3's released model
+code. Every kernel is a 2-D matrix with head-major columns in the order QK-Clip expects
+(see ``muonclip_jax.MLALayout``). The per-head maximum of the scaled logits is sown as
+``intermediates/.../max_logits`` (see ``MultiHeadLatentAttention``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from .._layouts import MLALayout, _check_positive_int
+from ._attention import ATTENTION_IMPLS, AttentionImpl, attention
+from ._rope import YarnScaling, apply_rope, default_positions
+from ._rope import softmax_scale as _softmax_scale
+
+Initializer = Callable[..., jax.Array]
+
+
+def validate_common(
+    name: str,
+    *,
+    attention_impl: str,
+    block_size: int,
+    rope_theta: float,
+    yarn: YarnScaling | None,
+) -> None:
+  """Checks the fields shared by the attention modules; raises ``ValueError``."""
+  if attention_impl not in ATTENTION_IMPLS:
+    raise ValueError(
+        f"{name}: attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}"
+    )
+  _check_positive_int(f"{name}: block_size", block_size)
+  if not (isinstance(rope_theta, (int, float)) and rope_theta > 1.0):
+    raise ValueError(f"{name}: rope_theta must be a number > 1, got {rope_theta!r}")
+  if yarn is not None and not isinstance(yarn, YarnScaling):
+    raise ValueError(f"{name}: yarn must be a YarnScaling or None, got {type(yarn).__name__}")
+
+
+def validate_mla(name: str, *, num_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim,
+                 qk_rope_head_dim, v_head_dim, **common) -> MLALayout:
+  """Checks MLA fields with ``ValueError`` and returns the layout."""
+  _check_positive_int(f"{name}: q_lora_rank", q_lora_rank, allow_zero=True)
+  _check_positive_int(f"{name}: kv_lora_rank", kv_lora_rank)
+  try:
+    layout = MLALayout(num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+  except ValueError as e:
+    raise ValueError(f"{name}: {e}") from None
+  if qk_rope_head_dim % 2:
+    raise ValueError(f"{name}: qk_rope_head_dim must be even for RoPE, got {qk_rope_head_dim}")
+  validate_common(name, **common)
+  return layout
+
+
+def check_input(name: str, x: jax.Array) -> None:
+  if x.ndim != 3:
+    raise ValueError(f"{name}: expected x of shape (batch, seq, dim), got {x.shape}")
+
+
+def mask_kwargs(x, *, positions, segment_ids, padding_mask, mask, causal) -> tuple[jax.Array, dict]:
+  """Module call arguments -> (positions, keyword arguments of ``attention``).
+
+  ``padding_mask`` ``(B, T)`` (True = real token) masks padded keys and padded queries;
+  ``segment_ids`` ``(B, T)`` keeps attention inside each packed sequence; ``mask`` is a
+  Flax-style boolean ``(B|1, H|1, T, T)`` mask; ``causal`` uses token indices, so packed
+  sequences need ``segment_ids``. ``positions`` ``(B, T)`` only feed RoPE.
+  """
+  b, t = x.shape[:2]
+  named = (positions, "positions"), (segment_ids, "segment_ids"), (padding_mask, "padding_mask")
+  for arg, label in named:
+    if arg is not None and tuple(arg.shape) != (b, t):
+      raise ValueError(f"{label} must have shape {(b, t)} (batch, seq), got {tuple(arg.shape)}")
+  if positions is None:
+    positions = default_positions(b, t)
+  kw = dict(
+      causal=causal, mask=mask, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+      q_mask=padding_mask, kv_mask=padding_mask,
+  )
+  return positions, kw
+
+
+def mla_qkv(
+    q: jax.Array,
+    kv_a: jax.Array,
+    kv_norm: Callable[[jax.Array], jax.Array],
+    wkv_b: Callable[[jax.Array], jax.Array],
+    positions: jax.Array,
+    *,
+    layout: MLALayout,
+    kv_lora_rank: int,
+    rope_theta: float,
+    yarn: YarnScaling | None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Per-head ``q (B, T, H, dn+dr)``, ``k (B, T, H, dn+dr)``, ``v (B, T, H, dv)``.
+
+  ``q`` is the query projection ``(B, T, H*(dn+dr))``, ``kv_a`` the output of ``wkv_a``
+  ``(B, T, kv_lora_rank + dr)``; shared by the Linen and NNX modules.
+  """
+  b, t = q.shape[:2]
+  h, dv = layout.num_heads, layout.v_head_dim
+  dn, dr = layout.qk_nope_head_dim, layout.qk_rope_head_dim
+  q = q.reshape(b, t, h, dn + dr)
+  q_nope, q_rope = q[..., :dn], q[..., dn:]
+  c_kv, k_rope = kv_a[..., :kv_lora_rank], kv_a[..., kv_lora_rank:]
+  kv = wkv_b(kv_norm(c_kv)).reshape(b, t, h, dn + dv)
+  k_nope, v = kv[..., :dn], kv[..., dn:]
+  if dr:
+    q_rope = apply_rope(q_rope, positions, base=rope_theta, yarn=yarn)
+    k_rope = apply_rope(k_rope[:, :, None, :], positions, base=rope_theta, yarn=yarn)
+    k_rope = jnp.broadcast_to(k_rope, (b, t, h, dr)).astype(k_nope.dtype)
+    q = jnp.concatenate([q_nope, q_rope], axis=-1)
+    k = jnp.concatenate([k_nope, k_rope], axis=-1)
+  else:
+    q, k = q_nope, k_nope
+  return q, k, v
+
+
+class MultiHeadLatentAttention(nn.Module):
+  """DeepSeek-V3 multi-head latent attention (Linen) with per-head max-logit capture.
+
+  ``module.apply(variables, x)`` with ``x (batch, seq, dim)`` runs causal self-attention
+  and returns ``(batch, seq, dim)``. Keyword arguments: ``positions (B, T)`` for RoPE
+  (default ``0..T-1``), ``segment_ids (B, T)`` for packed sequences, ``padding_mask
+  (B, T)`` (True = real token; masks both padded keys and padded queries) and ``mask``,
+  a Flax-style boolean ``(B|1, H|1, T, T)`` mask combined with the others.
+
+  Max logits: when the ``intermediates`` collection is mutable
+  (``apply(..., mutable=["intermediates"])``), the module sows a float32 leaf
+  ``intermediates/<module path>/max_logits`` of shape ``(num_heads,)``: the largest
+  scaled logit ``softmax_scale * q_h . k_h`` over batch, queries and keys of unmasked
+  pairs (``-inf`` for a head without any), under ``stop_gradient``. Repeated calls in
+  one ``apply`` keep a running maximum; under ``nn.scan`` with
+  ``variable_axes={"params": 0, "intermediates": 0}`` the leaf is
+  ``(num_layers, num_heads)`` (boxed parameters also need
+  ``metadata_params={nn.PARTITION_NAME: "layers"}``, or any name for the stacked axis).
+  When the collection is not mutable nothing is computed and nothing is sown.
+
+  Parameters (plain 2-D kernels, head-major columns, logical axis names):
+    ``wq_a/kernel (dim, q_lora_rank)`` ("embed", "q_lora"),
+    ``q_norm/scale (q_lora_rank,)`` ("norm",),
+    ``wq_b/kernel (q_lora_rank, H*(dn+dr))`` ("q_lora", "heads"),
+    or without query LoRA ``wq/kernel (dim, H*(dn+dr))`` ("embed", "heads"),
+    ``wkv_a/kernel (dim, kv_lora_rank+dr)`` ("embed", "kv_lora"),
+    ``kv_norm/scale (kv_lora_rank,)`` ("norm",),
+    ``wkv_b/kernel (kv_lora_rank, H*(dn+dv))`` ("kv_lora", "heads"),
+    ``wo/kernel (H*dv, dim)`` ("heads", "embed"),
+  where ``H = num_heads``, ``dn = qk_nope_head_dim``, ``dr = qk_rope_head_dim``,
+  ``dv = v_head_dim``. Query columns of head ``h`` are its nope then rope parts;
+  ``wkv_b`` columns of head ``h`` are its k_nope then v parts.
+
+  Attributes:
+    num_heads: number of attention heads ``H``.
+    q_lora_rank: rank of the query down-projection ``wq_a``; 0 = a single ``wq``.
+    kv_lora_rank: rank of the key/value latent ``c^KV``.
+    qk_nope_head_dim: per-head width of the non-rotary query/key part.
+    qk_rope_head_dim: per-head width of the rotary query part and of the shared rotary key (even).
+    v_head_dim: per-head value width.
+    rope_theta: RoPE base.
+    yarn: optional ``YarnScaling``: YaRN frequencies and the softmax scale times ``mscale^2``.
+    causal: causal self-attention (default True).
+    attention_impl: ``"dense"`` (materialized logits) or ``"chunked"`` (online softmax).
+    block_size: key block length of ``"chunked"``.
+    norm_epsilon: RMSNorm epsilon of ``q_norm`` and ``kv_norm``.
+    dtype: computation dtype (``None``: inferred from inputs and params).
+    param_dtype: parameter dtype.
+    kernel_init: initializer of every kernel (wrapped with its logical axis names).
+  """
+
+  num_heads: int
+  q_lora_rank: int = 1536
+  kv_lora_rank: int = 512
+  qk_nope_head_dim: int = 128
+  qk_rope_head_dim: int = 64
+  v_head_dim: int = 128
+  rope_theta: float = 10000.0
+  yarn: YarnScaling | None = None
+  causal: bool = True
+  attention_impl: AttentionImpl = "dense"
+  block_size: int = 512
+  norm_epsilon: float = 1e-6
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Initializer = nn.initializers.lecun_normal()
+
+  def __post_init__(self):
+    validate_mla(
+        type(self).__name__, num_heads=self.num_heads, q_lora_rank=self.q_lora_rank,
+        kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+        qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
+        attention_impl=self.attention_impl, block_size=self.block_size,
+        rope_theta=self.rope_theta, yarn=self.yarn,
+    )
+    super().__post_init__()
+
+  @property
+  def layout(self) -> MLALayout:
+    """The ``MLALayout`` to hand to ``muonclip_jax.qk_clip``."""
+    return MLALayout(self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+
+  @property
+  def softmax_scale(self) -> float:
+    """``1/sqrt(dn + dr)``, times YaRN's ``mscale^2`` when ``yarn`` is set."""
+    return _softmax_scale(self.qk_nope_head_dim + self.qk_rope_head_dim, self.yarn)
+
+  @nn.compact
+  def __call__(
+      self,
+      x: jax.Array,
+      *,
+      positions: jax.Array | None = None,
+      segment_ids: jax.Array | None = None,
+      padding_mask: jax.Array | None = None,
+      mask: jax.Array | None = None,
+  ) -> jax.Array:
+    check_input(type(self).__name__, x)
+    b, t, dim = x.shape
+    layout = self.layout
+    h, dqk, dv = layout.num_heads, layout.qk_head_dim, layout.v_head_dim
+    dense = functools.partial(
+        nn.Dense, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype
+    )
+    init = lambda *names: nn.with_logical_partitioning(self.kernel_init, names)
+    norm = functools.partial(
+        nn.RMSNorm, epsilon=self.norm_epsilon, dtype=self.dtype, param_dtype=self.param_dtype,
+        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+    )
+    if self.q_lora_rank:
+      wq_a = dense(self.q_lora_rank, kernel_init=init("embed", "q_lora"), name="wq_a")
+      c_q = norm(name="q_norm")(wq_a(x))
+      q = dense(h * dqk, kernel_init=init("q_lora", "heads"), name="wq_b")(c_q)
+    else:
+      q = dense(h * dqk, kernel_init=init("embed", "heads"), name="wq")(x)
+    wkv_a = dense(
+        self.kv_lora_rank + layout.qk_rope_head_dim, kernel_init=init("embed", "kv_lora"),
+        name="wkv_a",
+    )
+    kv_norm = norm(name="kv_norm")
+    wkv_b = dense(
+        h * (layout.qk_nope_head_dim + dv), kernel_init=init("kv_lora", "heads"), name="wkv_b"
+    )
+    positions, kw = mask_kwargs(
+        x, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask, mask=mask,
+        causal=self.causal,
+    )
+    q, k, v = mla_qkv(
+        q, wkv_a(x), kv_norm, wkv_b, positions, layout=layout, kv_lora_rank=self.kv_lora_rank,
+        rope_theta=self.rope_theta, yarn=self.yarn,
+    )
+    capture = self.is_mutable_collection("intermediates")
+    out, max_logits = attention(
+        q, k, v, softmax_scale=self.softmax_scale, impl=self.attention_impl,
+        block_size=self.block_size, return_max_logits=capture, **kw,
+    )
+    if capture:
+      self.sow(
+          "intermediates", "max_logits", max_logits,
+          init_fn=lambda: jnp.full((h,), -jnp.inf, jnp.float32), reduce_fn=jnp.maximum,
+      )
+    return dense(dim, kernel_init=init("heads", "embed"), name="wo")(out.reshape(b, t, h * dv))

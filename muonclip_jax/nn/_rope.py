@@ -1,0 +1,157 @@
+"""Rotary position embeddings (RoPE) with optional YaRN long-context scaling.
+
+RoPE (Su et al., "RoFormer", arXiv 2104.09864, Sec. 3.4) rotates each pair of
+coordinates ``(x_i, x_{i + D/2})`` of a ``D``-wide vector at position ``p`` by
+the angle ``p * theta_i`` with ``theta_i = base^(-2i / D)``, ``i < D/2``. We use
+the "rotate half" pairing of GPT-NeoX/Llama; DeepSeek-V3's reference code pairs
+``(x_{2i}, x_{2i+1})`` instead, which is a fixed permutation of the rotary columns
+and changes nothing for QK-Clip. Rotations preserve norms and make ``<R_m q, R_n k>``
+a function of ``m - n`` only.
+
+YaRN (Peng et al., arXiv 2309.00071: "NTK-by-parts" interpolation plus the attention
+temperature ``sqrt(1/t) = 0.1 ln(s) + 1``) as used by DeepSeek-V3 (arXiv 2412.19437,
+Sec. 4.3) interpolates each frequency between ``theta_i / s`` (position
+interpolation, for slow dimensions) and ``theta_i`` (kept, for fast ones):
+
+  gamma_i = 1 - clip((i - low) / (high - low), 0, 1), where ``low`` (``high``) is the
+    index whose frequency makes ``beta_fast`` (``beta_slow``) rotations over the
+    original context ``L_orig``: 1 for fast dimensions, 0 for slow ones;
+  theta_i' = (1 - gamma_i) * theta_i / s + gamma_i * theta_i
+
+and corrects the softmax temperature by ``mscale = 0.1 * m * ln(s) + 1``;
+DeepSeek-V3 multiplies the softmax scale ``1 / sqrt(d_qk)`` by ``mscale^2``
+(``softmax_scale`` below).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+  """YaRN long-context scaling of the rotary frequencies (arXiv 2309.00071).
+
+  Attributes:
+    factor: context extension factor ``s`` (new length / original length), ``>= 1``.
+    original_max_position: context length ``L_orig`` the model was pretrained with.
+    beta_fast: rotations over ``L_orig`` above which a dimension is kept (DeepSeek-V3: 32).
+    beta_slow: rotations over ``L_orig`` below which a dimension is interpolated (1).
+    mscale: coefficient ``m`` of the temperature correction ``0.1 * m * ln(s) + 1`` (1.0).
+  """
+
+  factor: float
+  original_max_position: int
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  mscale: float = 1.0
+
+  def __post_init__(self):
+    if not self.factor >= 1.0:
+      raise ValueError(f"YarnScaling: factor must be >= 1, got {self.factor!r}")
+    if not (isinstance(self.original_max_position, int) and self.original_max_position >= 1):
+      raise ValueError(
+          "YarnScaling: original_max_position must be an int >= 1, "
+          f"got {self.original_max_position!r}"
+      )
+    if not self.beta_fast > self.beta_slow > 0:
+      raise ValueError(
+          "YarnScaling: need beta_fast > beta_slow > 0, "
+          f"got beta_fast={self.beta_fast!r}, beta_slow={self.beta_slow!r}"
+      )
+
+
+def _correction_index(num_rotations: float, dim: int, base: float, max_position: int) -> float:
+  """Index ``i`` whose frequency makes ``num_rotations`` turns over ``max_position``.
+
+  Solves ``max_position * base^(-2i/dim) = 2 pi * num_rotations`` for ``i``.
+  """
+  return dim * math.log(max_position / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+
+def rope_frequencies(
+    dim: int, *, base: float = 10000.0, yarn: YarnScaling | None = None
+) -> np.ndarray:
+  """Angular frequencies ``theta_i`` (radians per position) of a ``dim``-wide rotary embedding.
+
+  Args:
+    dim: rotary width ``D`` (even).
+    base: RoPE base (``rope_theta``).
+    yarn: optional YaRN scaling; ``None`` gives plain RoPE.
+
+  Returns:
+    A float64 NumPy array of shape ``(dim // 2,)`` (static, computed once at trace time).
+  """
+  if dim % 2 or dim <= 0:
+    raise ValueError(f"rope_frequencies: dim must be a positive even int, got {dim!r}")
+  if not base > 1.0:
+    raise ValueError(f"rope_frequencies: base must be > 1, got {base!r}")
+  half = dim // 2
+  freqs = base ** (-np.arange(half, dtype=np.float64) * 2.0 / dim)
+  if yarn is None or yarn.factor == 1.0:
+    return freqs
+  low = math.floor(_correction_index(yarn.beta_fast, dim, base, yarn.original_max_position))
+  high = math.ceil(_correction_index(yarn.beta_slow, dim, base, yarn.original_max_position))
+  low, high = max(low, 0), min(high, half - 1)
+  if high <= low:
+    high = low + 1e-3  # avoid 0/0 when the ramp collapses to a step
+  keep = np.clip((np.arange(half, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+  keep = 1.0 - keep  # 1 for fast dimensions (kept), 0 for slow ones (interpolated)
+  return freqs / yarn.factor * (1.0 - keep) + freqs * keep
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  """YaRN attention temperature ``0.1 * mscale * ln(factor) + 1`` (1 when ``factor <= 1``)."""
+  if factor <= 1.0:
+    return 1.0
+  return 0.1 * mscale * math.log(factor) + 1.0
+
+
+def softmax_scale(qk_head_dim: int, yarn: YarnScaling | None = None) -> float:
+  """The number multiplying ``q . k`` before the softmax.
+
+  ``1 / sqrt(qk_head_dim)``, times ``yarn_mscale(s, m)^2`` with YaRN, as DeepSeek-V3.
+  """
+  scale = qk_head_dim**-0.5
+  if yarn is not None:
+    scale *= yarn_mscale(yarn.factor, yarn.mscale) ** 2
+  return scale
+
+
+def default_positions(batch: int, length: int) -> jax.Array:
+  """``(batch, length)`` int32 positions ``0 .. length-1``."""
+  return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None, :], (batch, length))
+
+
+def apply_rope(
+    x: jax.Array,
+    positions: jax.Array,
+    *,
+    base: float = 10000.0,
+    yarn: YarnScaling | None = None,
+) -> jax.Array:
+  """Rotates ``x`` of shape ``(batch, seq, heads, D)`` by its ``positions`` ``(batch, seq)``.
+
+  ``out[..., i] = x_i cos(p theta_i) - x_{i+D/2} sin(p theta_i)`` and
+  ``out[..., i+D/2] = x_{i+D/2} cos(p theta_i) + x_i sin(p theta_i)`` for ``i < D/2``
+  (RoFormer Sec. 3.4, rotate-half pairing). Angles are computed in float32; the result
+  has the dtype of ``x``.
+  """
+  if x.ndim != 4:
+    raise ValueError(f"apply_rope: expected x of shape (batch, seq, heads, dim), got {x.shape}")
+  if positions.shape != x.shape[:2]:
+    raise ValueError(
+        f"apply_rope: positions must have shape {x.shape[:2]} (batch, seq), got {positions.shape}"
+    )
+  dim = x.shape[-1]
+  freqs = jnp.asarray(rope_frequencies(dim, base=base, yarn=yarn), jnp.float32)
+  angles = positions.astype(jnp.float32)[:, :, None, None] * freqs[None, None, None, :]
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)

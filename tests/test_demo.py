@@ -1,0 +1,48 @@
+"""The demo (examples/train_mla_lm.py) end to end at a tiny size, and its bad-input handling."""
+
+import json
+import math
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+import train_mla_lm  # noqa: E402
+
+
+def test_demo_runs_end_to_end_on_a_2x4_mesh(tmp_path, capsys):
+  out = tmp_path / "run"
+  rc = train_mla_lm.main(["--steps", "3", "--batch", "4", "--seq", "32", "--eval-every", "2",
+                          "--mesh", "2,4", "--tau", "5", "--out", str(out)])
+  assert rc == 0
+  printed = capsys.readouterr().out
+  for name in ("adamw", "muon", "muonclip"):
+    lines = (out / name / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3
+    recs = [json.loads(line) for line in lines]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["max_logit"]) for r in recs)
+    assert "val_loss" in recs[1] and "val_loss" in recs[2]
+    assert len(recs[0]["max_logit_per_layer"]["layers/attn"]) == 2  # one per scanned layer
+    row = next(line for line in printed.splitlines() if line.startswith(name + " "))
+    numbers = [float(v.strip().rstrip("%")) for v in row.split("|")[1:]]
+    assert len(numbers) == 6 and all(math.isfinite(v) for v in numbers)
+  assert (out / "report.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--optimizers", "adamw,sgd"], "--optimizers: unknown optimizer(s) ['sgd']"),
+        (["--tau", "0"], "--tau must be > 0, got 0.0"),
+        (["--tau", "-3"], "--tau must be > 0, got -3.0"),
+        (["--mesh", "3,1"], "--mesh 3,1 needs 3 devices, but JAX sees 8"),
+        (["--mesh", "two,4"], "--mesh must be DATA,MODEL (two integers)"),
+    ],
+)
+def test_bad_input_gives_one_line_and_exit_status_2(argv, message, capsys, tmp_path):
+  rc = train_mla_lm.main(argv + ["--out", str(tmp_path)])
+  err = capsys.readouterr().err
+  assert rc == 2
+  assert err.count("\n") == 1 and message in err and "Traceback" not in err

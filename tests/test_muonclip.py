@@ -1,0 +1,239 @@
+"""muonclip end to end on a tiny MLA transformer: the bound, composition, accumulation, I/O."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import muonclip_jax as mc
+from muonclip_jax import training
+from muonclip_jax._qk_clip import collect_max_logits
+from _tiny_lm import BATCHES, CFG, init_params, make_loss_fn, matrix_axes
+
+LR = 0.1  # high enough for plain Muon's max logit to pass TAU within a few steps
+TAU = 5.0  # the initial max logit is ~3.7
+STEPS = 8
+LOSS_FN = make_loss_fn(CFG)
+
+
+def _max_logits(params, batch):
+  return collect_max_logits(LOSS_FN(params, batch)[1])
+
+
+def _muonclip(**kw):
+  kw.setdefault("qk_clip_threshold", TAU)
+  return mc.muonclip(LR, layout=CFG.layout, matrix_axes=matrix_axes, **kw)
+
+
+def _run(opt, steps=STEPS, params=None, state=None, start=0, **step_kw):
+  params = init_params(CFG, 0) if params is None else params
+  state = opt.init(params) if state is None else state
+  step = jax.jit(training.make_train_step(LOSS_FN, opt, qk_clip_threshold=TAU, **step_kw))
+  history = []
+  for t in range(start, start + steps):
+    params, state, metrics = step(params, state, BATCHES[t % 2])
+    history.append((params, metrics, BATCHES[t % 2]))
+  return params, state, history
+
+
+def test_plain_muon_passes_tau_and_exact_muonclip_holds_it():
+  _, _, muon_hist = _run(mc.muon_adamw(LR, matrix_axes=matrix_axes))
+  assert max(float(m["max_logit"]) for _, m, _ in muon_hist) > TAU * 1.1
+  _, _, clip_hist = _run(_muonclip(), exact_clip=True, layout=CFG.layout)
+  clipped_steps = 0
+  for params, metrics, batch in clip_hist:
+    after = _max_logits(params, batch)
+    for module, s in after.items():
+      assert float(jnp.max(s)) <= TAU * (1 + 1e-4), (module, s)
+    clipped_steps += int(metrics["num_clipped"] > 0)
+  assert clipped_steps >= 2  # the clip did the work
+
+
+def test_forward_maxima_clip_is_qk_clip_of_the_update():
+  """muonclip's update equals qk_clip(params + muon_adamw update, forward maxima)."""
+  params = init_params(CFG, 0)
+  grads_fn = jax.jit(jax.grad(lambda p, b: LOSS_FN(p, b)[0]))
+  base, clip = mc.muon_adamw(LR, matrix_axes=matrix_axes), _muonclip(qk_clip_threshold=3.0)
+  sb, sc = base.init(params), clip.init(params)
+  p_ref = p_clip = params
+  for t in range(3):
+    batch = BATCHES[t % 2]
+    maxima = LOSS_FN(p_clip, batch)[1]
+    g = grads_fn(p_clip, batch)
+    ub, sb = base.update(g, sb, p_clip)
+    p_ref = mc.qk_clip(optax.apply_updates(p_clip, ub), maxima, threshold=3.0, layout=CFG.layout)
+    uc, sc = clip.update(g, sc, p_clip, max_logits=maxima)
+    p_clip = optax.apply_updates(p_clip, uc)
+    # Documented rounding: at most one float32 ulp of the old or new weight (|w| < 1 here).
+    chex.assert_trees_all_close(p_clip, p_ref, rtol=0, atol=1.2e-7)
+  # and the clip did fire
+  assert any(float(jnp.max(s)) > 3.0 for s in collect_max_logits(LOSS_FN(params, BATCHES[0])[1]).values())
+
+
+def test_loss_decreases_with_every_optimizer():
+  for opt in (optax.adamw(1e-2), mc.muon_adamw(0.02, matrix_axes=matrix_axes), _muonclip()):
+    _, _, hist = _run(opt)
+    losses = [float(m["loss"]) for _, m, _ in hist]
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_unreachable_or_no_threshold_equals_muon_adamw():
+  ref, _, _ = _run(mc.muon_adamw(LR, matrix_axes=matrix_axes), steps=3)
+  for tau in (None, float("inf")):  # the clip is off: the same program, the same bits
+    p, _, _ = _run(_muonclip(qk_clip_threshold=tau), steps=3)
+    chex.assert_trees_all_equal(p, ref)
+  # A finite but unreachable tau keeps every update (jnp.where picks it), but XLA fuses the
+  # larger program differently, so the Muon arithmetic rounds differently (measured 4e-6
+  # after three steps at this high learning rate).
+  p, _, _ = _run(_muonclip(qk_clip_threshold=1e9), steps=3)
+  chex.assert_trees_all_close(p, ref, rtol=0, atol=2e-5)
+
+
+def test_missing_max_logits_is_an_error_and_none_turns_clip_off():
+  params = init_params(CFG, 0)
+  g = jax.tree.map(jnp.ones_like, params)
+  opt = _muonclip()
+  with pytest.raises(ValueError, match="max_logits is missing, but the clip threshold is 5.0"):
+    jax.jit(opt.update)(g, opt.init(params), params)
+  off = _muonclip(qk_clip_threshold=None)
+  u, _ = off.update(g, off.init(params), params)  # no max_logits needed
+  chex.assert_tree_all_finite(u)
+  for bad in (0.0, -1.0, float("nan")):
+    with pytest.raises(ValueError, match="qk_clip_threshold must be > 0"):
+      _muonclip(qk_clip_threshold=bad)
+
+
+def test_chain_inject_hyperparams_and_schedule():
+  chained = optax.chain(optax.clip_by_global_norm(1.0), _muonclip())
+  p, _, hist = _run(chained, steps=3)
+  chex.assert_tree_all_finite(p)
+  injected = optax.inject_hyperparams(mc.muonclip)(
+      learning_rate=optax.cosine_decay_schedule(LR, 10), layout=CFG.layout, qk_clip_threshold=TAU,
+      matrix_axes=matrix_axes,
+  )
+  p_inj, state, _ = _run(injected, steps=3)
+  p_ref, _, _ = _run(mc.muonclip(optax.cosine_decay_schedule(LR, 10), layout=CFG.layout,
+                                  qk_clip_threshold=TAU, matrix_axes=matrix_axes), steps=3)
+  chex.assert_trees_all_close(p_inj, p_ref, atol=1e-5)  # traced vs constant hyperparameters
+  assert float(state.hyperparams["qk_clip_threshold"]) == TAU
+
+
+def _planted(k, hot):
+  """k microbatches of max_logits for the tiny LM; microbatch `hot` holds the largest logit."""
+  out = []
+  for i in range(k):
+    s = jnp.full((CFG.num_layers, CFG.num_heads), 1.0)
+    if i == hot:
+      s = s.at[1, 0].set(50.0)
+    out.append({"layers": {"attn": {"max_logits": s}}})
+  return out
+
+
+def test_multi_steps_clips_once_with_the_max_over_all_microbatches():
+  params = init_params(CFG, 0)
+  k, tau = 3, 10.0
+  opt = mc.multi_steps(_muonclip(qk_clip_threshold=tau), k, layout=CFG.layout)
+  state = opt.init(params)
+  grads = [jax.tree.map(lambda p, i=i: jnp.cos(p * (i + 1)), params) for i in range(k)]
+  p = params
+  update = jax.jit(opt.update)
+  for i, m in enumerate(_planted(k, hot=0)):  # the largest logit is in the first microbatch
+    u, state = update(grads[i], state, p, max_logits=m)
+    if i < k - 1:
+      chex.assert_trees_all_equal(u, jax.tree.map(jnp.zeros_like, u))  # no update, no clip yet
+    p = optax.apply_updates(p, u)
+  # Reference: one muonclip step on the mean gradient with the max over the microbatches.
+  ref_opt = _muonclip(qk_clip_threshold=tau)
+  mean = jax.tree.map(lambda *g: sum(g) / k, *grads)
+  planted = _planted(1, hot=0)[0]
+  u, _ = ref_opt.update(mean, ref_opt.init(params), params, max_logits=planted)
+  # jit vs eager rounding of the Newton–Schulz iteration: ~1e-5 on updates of ~3e-2;
+  # taking the last microbatch instead of the maximum would change the hot head by ~1e-1.
+  chex.assert_trees_all_close(p, optax.apply_updates(params, u), atol=5e-5)
+  # the running maximum starts again after the real update
+  np.testing.assert_array_equal(np.asarray(state.max_logits["layers"]["attn"]["max_logits"]), -np.inf)
+  # with the plain optax.MultiSteps the first microbatch's logit would be lost:
+  plain = optax.MultiSteps(_muonclip(qk_clip_threshold=tau), k)
+  ps, pp = plain.init(params), params
+  for i, m in enumerate(_planted(k, hot=0)):
+    u, ps = plain.update(grads[i], ps, pp, max_logits=m)
+    pp = optax.apply_updates(pp, u)
+  assert not np.allclose(pp["layers"]["attn"]["wq_b"]["kernel"][1], p["layers"]["attn"]["wq_b"]["kernel"][1])
+
+
+def test_scan_microbatches_in_the_train_step_use_the_max_over_all():
+  params = init_params(CFG, 0)
+  hot_value = 50.0
+
+  def loss_fn(p, batch):  # a loss whose max logits are planted by the batch
+    loss, _ = LOSS_FN(p, batch["tokens"])
+    return loss, {"layers": {"attn": {"max_logits": batch["planted"][0]}}}
+
+  k = 4
+  planted = jnp.ones((k, CFG.num_layers, CFG.num_heads)).at[1, 0, 1].set(hot_value)  # microbatch 1
+  tokens = jnp.concatenate([BATCHES[0]] * 2)[: 2 * k]
+  batch = {"tokens": tokens, "planted": planted}
+  opt = _muonclip(qk_clip_threshold=10.0)
+  step = jax.jit(training.make_train_step(loss_fn, opt, qk_clip_threshold=10.0, num_microbatches=k))
+  p, _, metrics = step(params, opt.init(params), batch)
+  assert float(metrics["max_logit"]) == hot_value
+  assert int(metrics["num_clipped"]) == 1
+  assert float(metrics["min_gamma"]) == pytest.approx(10.0 / hot_value)
+  # Reference: mean gradient over the microbatches, one clip with the planted maximum.
+  grads = [jax.grad(lambda q: LOSS_FN(q, tokens[2 * i:2 * i + 2])[0])(params) for i in range(k)]
+  mean = jax.tree.map(lambda *g: sum(g) / k, *grads)
+  u, _ = opt.update(mean, opt.init(params), params,
+                    max_logits={"layers": {"attn": {"max_logits": planted.max(axis=0)}}})
+  # jit vs eager rounding of the Newton–Schulz iteration: ~1e-5 on updates of ~3e-2;
+  # taking the last microbatch instead of the maximum would change the hot head by ~1e-1.
+  chex.assert_trees_all_close(p, optax.apply_updates(params, u), atol=5e-5)
+
+
+def test_checkpoint_save_restore_continue(tmp_path):
+  opt = _muonclip()
+  full, _, _ = _run(opt, steps=4)
+  half, state, _ = _run(opt, steps=2)
+  assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(state))
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(tmp_path / "step2", {"params": half, "opt_state": state})
+  ckpt.wait_until_finished()
+  target = jax.eval_shape(lambda: {"params": half, "opt_state": state})
+  restored = ckpt.restore(tmp_path / "step2", target)
+  chex.assert_trees_all_equal(restored["params"], half)
+  resumed, _, _ = _run(opt, steps=2, params=restored["params"], state=restored["opt_state"], start=2)
+  chex.assert_trees_all_equal(resumed, full)
+
+
+def test_no_retracing_across_steps():
+  chex.clear_trace_counter()
+  opt = _muonclip()
+  params = init_params(CFG, 0)
+  inner = training.make_train_step(LOSS_FN, opt, qk_clip_threshold=TAU)
+  step = jax.jit(chex.assert_max_traces(inner, n=1))
+  state = opt.init(params)
+  for t in range(3):
+    params, state, _ = step(params, state, BATCHES[t % 2])
+
+
+def test_mixed_precision_master_params_are_clipped_and_bf16_params_work():
+  # float32 master params, bfloat16 compute copy: the clip acts on the master params.
+  opt = _muonclip()
+  p32, _, hist = _run(opt, compute_dtype=jnp.bfloat16, exact_clip=True, layout=CFG.layout)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(p32))
+  for params, _, batch in hist:
+    # The exact clip measured the bf16 copy the model runs, and scaled the master weights;
+    # the next copy is cast from them, so both hold the bound to bf16 precision (2^-8).
+    copy = optax.tree.cast(params, jnp.bfloat16)
+    for s in _max_logits(copy, batch).values():
+      assert float(jnp.max(s)) <= TAU * (1 + 1e-2)
+    for s in _max_logits(params, batch).values():
+      assert float(jnp.max(s)) <= TAU * (1 + 1e-2)
+  # bf16-only params
+  p16 = optax.tree.cast(init_params(CFG, 0), jnp.bfloat16)
+  out, state, hist = _run(opt, params=p16)
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(out))
+  chex.assert_tree_all_finite(out)
+  assert float(hist[-1][1]["loss"]) < float(hist[0][1]["loss"])
