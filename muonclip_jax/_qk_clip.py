@@ -41,6 +41,9 @@ import jax
 import jax.numpy as jnp
 
 from ._layouts import GQALayout, MLALayout
+from ._paths import key_name as _key_name
+from ._paths import keystr as _path_str
+from ._paths import strip_value as _strip_value
 
 _Layout = MLALayout | GQALayout
 _MAX_LOGITS = "max_logits"
@@ -49,27 +52,8 @@ _MAX_LOGITS = "max_logits"
 # ----------------------------------------------------------------------------- paths
 
 
-def _key_name(key: Any) -> Any:
-  """The name in one pytree path entry (dict key, attribute or sequence index)."""
-  for attr in ("key", "name", "idx"):
-    if hasattr(key, attr):
-      return getattr(key, attr)
-  return str(key)
-
-
-def _path_str(path: tuple) -> str:
-  return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
-
-
 def _join(module: str, name: str) -> str:
   return f"{module}/{name}" if module else name
-
-
-def _strip_value(path: tuple) -> tuple:
-  """Drops the trailing ``value`` keys of boxed leaves (``nn.Partitioned``, NNX variables)."""
-  while path and _key_name(path[-1]) == "value":
-    path = path[:-1]
-  return path
 
 
 # ----------------------------------------------------------------------------- inputs

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
+
+from ._paths import path_str
 
 MUON = "muon"
 ADAM = "adam"
@@ -21,12 +23,6 @@ ADAM = "adam"
 _EMBEDDING_WORDS = ("embed", "wte", "wpe")
 _HEAD_NAMES = frozenset({"lm_head", "head", "unembed", "output", "output_head", "logits", "classifier"})
 _VECTOR_LEAF_NAMES = frozenset({"bias", "scale", "embedding"})
-
-
-def path_str(path: Sequence[Any]) -> str:
-  """``a/b/c`` for a key path, without the trailing ``value`` of boxed/NNX leaves."""
-  s = jax.tree_util.keystr(tuple(path), simple=True, separator="/")
-  return s[: -len("/value")] if s.endswith("/value") else ("" if s == "value" else s)
 
 
 @dataclasses.dataclass(frozen=True)
