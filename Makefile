@@ -16,8 +16,12 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -n 2 -q tests
 
+# The demo's picture and summary table are copied to docs/ for the README.
 demo: $(VENV)/.installed
-	$(BIN)/python examples/train_mla_lm.py
+	$(BIN)/python examples/train_mla_lm.py --out runs/demo
+	mkdir -p docs
+	cp runs/demo/report.png docs/demo_report.png
+	cp runs/demo/summary.txt docs/demo_summary.txt
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,12 +1,16 @@
-"""Time one jitted Muon update: muonclip_jax.muon vs optax.contrib.muon, same work.
+"""Time one jitted Muon update: muonclip_jax.muon vs optax.contrib.muon.
 
-Both run on the hidden matrices of a GPT-2-small-like model (12 layers of four 768x768
-attention matrices, 768x3072 and 3072x768), configured the same way: Nesterov momentum
-0.95, 5 quintic Newton–Schulz steps with Keller Jordan's coefficients, update RMS 0.2 *
-sqrt(max(n, m)) (optax: consistent_rms=0.2), no weight decay, learning rate 1. The two are
-timed in one process, alternating, and the medians and their ratio are printed.
+All run on the hidden matrices of a GPT-2-small-like model (12 layers of four 768x768
+attention matrices, 768x3072 and 3072x768) with Nesterov momentum 0.95, update RMS 0.2 *
+sqrt(max(n, m)) (optax: consistent_rms=0.2), no weight decay, learning rate 1:
+``optax.contrib.muon`` (its default: 5 quintic Newton–Schulz steps with Keller Jordan's
+coefficients), ``muonclip_jax.muon`` doing the same work (``ns_coeffs="muon", ns_steps=5,
+ns_method="standard"``) and ``muonclip_jax.muon`` with its defaults (4 "polar_express_4"
+steps, Gram Newton–Schulz on the rectangular matrices). They are timed in one process,
+alternating; medians, ratios to optax and XLA's temporary memory are printed. The fuller
+harness is bench_orthogonalization.py.
 
-  python benchmarks/bench_muon.py [--layers 12] [--repeats 5]
+  PYTHONPATH=. python benchmarks/bench_muon.py [--layers 12] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -30,23 +34,25 @@ def gpt2_hidden_matrices(layers: int, d: int = 768) -> dict:
   return {f"h{i}": {n: jax.random.normal(next(keys), s, jnp.float32) for n, s in shapes.items()} for i in range(layers)}
 
 
-def contenders(ns_coeffs: str = "muon", ns_steps: int = 5) -> dict:
+def contenders() -> dict:
   return {
       "optax.contrib.muon": contrib.muon(
           1.0, ns_steps=5, beta=0.95, nesterov=True, consistent_rms=0.2, weight_decay=0.0
       ),
-      f"muonclip_jax.muon({ns_coeffs}, {ns_steps})": mc.muon(
-          1.0, weight_decay=0.0, ns_coeffs=ns_coeffs, ns_steps=ns_steps
+      "muonclip_jax.muon(muon, 5, standard)": mc.muon(
+          1.0, weight_decay=0.0, ns_coeffs="muon", ns_steps=5, ns_method="standard"
       ),
+      "muonclip_jax.muon() defaults": mc.muon(1.0, weight_decay=0.0),
   }
 
 
-def time_updates(opts: dict, params: dict, repeats: int) -> dict[str, list[float]]:
+def time_updates(opts: dict, params: dict, repeats: int) -> tuple[dict[str, list[float]], dict[str, float]]:
   grads = jax.tree.map(lambda p: jnp.sin(p), params)
-  compiled = {}
+  compiled, temp = {}, {}
   for name, opt in opts.items():
     state = opt.init(params)
     fn = jax.jit(opt.update).lower(grads, state, params).compile()
+    temp[name] = fn.memory_analysis().temp_size_in_bytes / 2**20
     jax.block_until_ready(fn(grads, state, params))  # warm up
     compiled[name] = (fn, state)
   times = {name: [] for name in opts}
@@ -55,7 +61,7 @@ def time_updates(opts: dict, params: dict, repeats: int) -> dict[str, list[float
       t0 = time.perf_counter()
       jax.block_until_ready(fn(grads, state, params))
       times[name].append(time.perf_counter() - t0)
-  return times
+  return times, temp
 
 
 def main() -> None:
@@ -66,11 +72,11 @@ def main() -> None:
   params = gpt2_hidden_matrices(args.layers)
   print(f"jax {jax.__version__}, optax {optax.__version__}, {jax.devices()[0].device_kind}, "
         f"{platform.processor() or platform.machine()}, {args.layers} layers, {args.repeats} repeats")
-  times = time_updates(contenders(), params, args.repeats)
+  times, temp = time_updates(contenders(), params, args.repeats)
   med = {k: statistics.median(v) for k, v in times.items()}
   base = med["optax.contrib.muon"]
   for k, v in med.items():
-    print(f"{k:40s} median {v * 1e3:9.1f} ms   ratio to optax {v / base:5.2f}")
+    print(f"{k:40s} median {v * 1e3:9.1f} ms   ratio to optax {v / base:5.2f}   temp {temp[k]:7.1f} MiB")
 
 
 if __name__ == "__main__":

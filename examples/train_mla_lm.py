@@ -121,7 +121,7 @@ def run(args) -> int:
 
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import muonclip_jax as mc
-  from mla_lm import MATRIX_AXES, LMConfig, init_params, make_loss_fn
+  from mla_lm import MATRIX_AXES, LMConfig, init_params, logical_axes, make_loss_fn
   from muonclip_jax import training
 
   cfg = LMConfig(dim=128, num_layers=2, num_heads=4, q_lora_rank=64, kv_lora_rank=32,
@@ -137,36 +137,41 @@ def run(args) -> int:
 
   params0 = init_params(cfg, args.seed)
   loss_fn = make_loss_fn(cfg)
+  mesh = shardings = None
+  if args.mesh is not None:
+    from jax.sharding import Mesh
+
+    if args.batch % args.mesh[0]:
+      raise UsageError(f"--batch {args.batch} is not divisible by the data axis {args.mesh[0]}")
+    mesh = Mesh(np.asarray(jax.devices()).reshape(args.mesh), ("data", "model"))
+    shardings = mc.sharding.param_shardings(params0, mesh, logical_axes=logical_axes(cfg))
+    params0 = jax.device_put(params0, shardings)
+    batch_sharding = mc.sharding.batch_shardings(jnp.zeros((args.batch, args.seq + 1), jnp.int32), mesh)
+    val_batch = jax.device_put(val_batch, mc.sharding.batch_shardings(val_batch, mesh))
   lr_muon = 0.02
   schedule = lambda peak: optax.warmup_cosine_decay_schedule(0.0, peak, max(1, args.steps // 20), args.steps, peak * 0.1)
+  muon_kw = dict(matrix_axes=MATRIX_AXES, shard_orthogonalization=shardings)
   optimizers = {
       "adamw": (optax.adamw(schedule(3e-3), b1=0.9, b2=0.95, weight_decay=0.1), {}),
-      "muon": (mc.muon_adamw(schedule(lr_muon), matrix_axes=MATRIX_AXES), {}),
+      "muon": (mc.muon_adamw(schedule(lr_muon), **muon_kw), {}),
       "muonclip": (
-          mc.muonclip(schedule(lr_muon), layout=cfg.layout, qk_clip_threshold=args.tau, matrix_axes=MATRIX_AXES),
+          mc.muonclip(schedule(lr_muon), layout=cfg.layout, qk_clip_threshold=args.tau, **muon_kw),
           dict(exact_clip=True, layout=cfg.layout),
       ),
   }
-
-  mesh = None
-  if args.mesh is not None:
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-    mesh = Mesh(np.asarray(jax.devices()).reshape(args.mesh), ("data", "model"))
-    if args.batch % args.mesh[0]:
-      raise UsageError(f"--batch {args.batch} is not divisible by the data axis {args.mesh[0]}")
-    batch_sharding = NamedSharding(mesh, P("data"))
-    replicated = NamedSharding(mesh, P())
-    params0 = jax.device_put(params0, replicated)
-    val_batch = jax.device_put(val_batch, batch_sharding)
 
   eval_fn = jax.jit(lambda p, b: loss_fn(p, b)[0])
   os.makedirs(args.out, exist_ok=True)
   results = {}
   for name in args.optimizers:
     opt, step_kw = optimizers[name]
-    step = jax.jit(training.make_train_step(loss_fn, opt, qk_clip_threshold=args.tau, **step_kw))
-    params, state = params0, jax.jit(opt.init)(params0)
+    step_fn = training.make_train_step(loss_fn, opt, qk_clip_threshold=args.tau, **step_kw)
+    if mesh is None:
+      step, params, state = jax.jit(step_fn), params0, jax.jit(opt.init)(params0)
+    else:  # params, optimizer state and batch sharded; in = out shardings
+      params, state = params0, mc.sharding.init_state(opt, params0, shardings)
+      state_shardings = jax.tree.map(lambda x: x.sharding, state)
+      step = mc.sharding.jit_train_step(step_fn, shardings, state_shardings, batch_sharding)
     run_dir = os.path.join(args.out, name)
     os.makedirs(run_dir, exist_ok=True)
     records, t_start, t_steps = [], None, 0.0
@@ -194,7 +199,10 @@ def run(args) -> int:
         progress(name, t + 1, args.steps, rec)
     print(file=sys.stderr)
     results[name] = summarize(records, cfg.num_layers * cfg.num_heads, t_steps / max(1, args.steps - 1))
-  print_table(results, args.tau)
+  table = format_table(results, args.tau)
+  print("\n" + table)
+  with open(os.path.join(args.out, "summary.txt"), "w") as f:
+    f.write(table + "\n")
   report_path = os.path.join(args.out, "report.png")
   plot(args.out, args.optimizers, args.tau, report_path)
   print(f"metrics: {args.out}/<optimizer>/metrics.jsonl; report: {report_path}")
@@ -224,18 +232,20 @@ def summarize(records, num_heads_total, sec_per_step):
   }
 
 
-def print_table(results, tau):
+def format_table(results, tau):
   cols = ["optimizer", "train loss", "val loss", "highest max logit", "steps > tau", "head-steps > tau", "s/step"]
   rows = [[name, f"{r['final_train_loss']:.3f}", f"{r['final_val_loss']:.3f}", f"{r['highest_max_logit']:.1f}",
            str(r["steps_with_clipped_head"]), f"{100 * r['clipped_head_fraction']:.1f}%", f"{r['sec_per_step']:.3f}"]
           for name, r in results.items()]
   widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
-  print(f"\nsummary (tau = {tau:g}; train loss = mean of the last 10 steps; max logits are those of each "
-        "step's forward pass; steps > tau = steps with a head above tau, which MuonClip then clips)")
-  print(" | ".join(c.ljust(w) for c, w in zip(cols, widths)))
-  print("-+-".join("-" * w for w in widths))
-  for row in rows:
-    print(" | ".join(v.ljust(w) for v, w in zip(row, widths)))
+  lines = [
+      f"summary (tau = {tau:g}; train loss = mean of the last 10 steps; max logits are those of each "
+      "step's forward pass; steps > tau = steps with a head above tau, which MuonClip then clips)",
+      " | ".join(c.ljust(w) for c, w in zip(cols, widths)),
+      "-+-".join("-" * w for w in widths),
+  ]
+  lines += [" | ".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows]
+  return "\n".join(lines)
 
 
 def plot(out, names, tau, path):

@@ -17,14 +17,19 @@ def muon(
     weight_decay_mask: Any = None,
     beta: float = 0.95,
     nesterov: bool = True,
-    ns_steps: int = 5,
-    ns_coeffs: Any = "muon",
+    ns_steps: int | None = None,
+    ns_coeffs: Any = "polar_express_4",
+    ns_method: str = "auto",
+    ns_normalize: str | None = None,
+    ns_restarts: Any = (),
+    ns_batch: int | None = None,
     eps: float = 1e-7,
     compute_dtype: Any = None,
     mu_dtype: Any = None,
     rms_match: str | None = "moonlight",
     rms_scale: float = 0.2,
     matrix_axes: MatrixAxesSpec = None,
+    shard_orthogonalization: Any = None,
 ) -> optax.GradientTransformation:
   """Muon for weight matrices, as in Kimi K2 (arXiv 2507.20534, Algorithm 1).
 
@@ -38,8 +43,9 @@ def muon(
     learning_rate: a scalar or an optax schedule.
     weight_decay: decoupled weight decay (Moonlight/Kimi: 0.1); must be >= 0.
     weight_decay_mask: optional mask or callable, as in ``optax.add_decayed_weights``.
-    beta, nesterov, ns_steps, ns_coeffs, eps, compute_dtype, mu_dtype, rms_match,
-      rms_scale, matrix_axes: see ``scale_by_muon``.
+    beta, nesterov, ns_steps, ns_coeffs, ns_method, ns_normalize, ns_restarts, ns_batch, eps,
+      compute_dtype, mu_dtype, rms_match,
+      rms_scale, matrix_axes, shard_orthogonalization: see ``scale_by_muon``.
   """
   check_number("weight_decay", weight_decay, low=0.0)
   return optax.chain(
@@ -48,12 +54,17 @@ def muon(
           nesterov=nesterov,
           ns_steps=ns_steps,
           ns_coeffs=ns_coeffs,
+          ns_method=ns_method,
+          ns_normalize=ns_normalize,
+          ns_restarts=ns_restarts,
+          ns_batch=ns_batch,
           eps=eps,
           compute_dtype=compute_dtype,
           mu_dtype=mu_dtype,
           rms_match=rms_match,
           rms_scale=rms_scale,
           matrix_axes=matrix_axes,
+          shard_orthogonalization=shard_orthogonalization,
       ),
       optax.add_decayed_weights(weight_decay, weight_decay_mask),
       optax.scale_by_learning_rate(learning_rate),
@@ -72,14 +83,19 @@ def muon_adamw(
     adam_weight_decay: float | None = None,
     beta: float = 0.95,
     nesterov: bool = True,
-    ns_steps: int = 5,
-    ns_coeffs: Any = "muon",
+    ns_steps: int | None = None,
+    ns_coeffs: Any = "polar_express_4",
+    ns_method: str = "auto",
+    ns_normalize: str | None = None,
+    ns_restarts: Any = (),
+    ns_batch: int | None = None,
     eps: float = 1e-7,
     compute_dtype: Any = None,
     mu_dtype: Any = None,
     rms_match: str | None = "moonlight",
     rms_scale: float = 0.2,
     matrix_axes: MatrixAxesSpec = None,
+    shard_orthogonalization: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """The optimizer for a whole model: Muon on hidden matrices, AdamW on the rest.
 
@@ -96,8 +112,9 @@ def muon_adamw(
     adam_learning_rate: AdamW's learning rate; defaults to ``learning_rate``.
     adam_b1, adam_b2, adam_eps: AdamW moments (Moonlight: 0.9, 0.95, 1e-8).
     adam_weight_decay: AdamW's decoupled weight decay; defaults to ``weight_decay``.
-    beta, nesterov, ns_steps, ns_coeffs, eps, compute_dtype, mu_dtype, rms_match,
-      rms_scale, matrix_axes: Muon's options (see ``scale_by_muon``).
+    beta, nesterov, ns_steps, ns_coeffs, ns_method, ns_normalize, ns_restarts, ns_batch, eps,
+      compute_dtype, mu_dtype, rms_match,
+      rms_scale, matrix_axes, shard_orthogonalization: Muon's options (see ``scale_by_muon``).
   """
   adam_wd = weight_decay if adam_weight_decay is None else adam_weight_decay
   check_number("adam_weight_decay", adam_wd, low=0.0)
@@ -109,12 +126,17 @@ def muon_adamw(
           nesterov=nesterov,
           ns_steps=ns_steps,
           ns_coeffs=ns_coeffs,
+          ns_method=ns_method,
+          ns_normalize=ns_normalize,
+          ns_restarts=ns_restarts,
+          ns_batch=ns_batch,
           eps=eps,
           compute_dtype=compute_dtype,
           mu_dtype=mu_dtype,
           rms_match=rms_match,
           rms_scale=rms_scale,
           matrix_axes=matrix_axes,
+          shard_orthogonalization=shard_orthogonalization,
       ),
       ADAM: optax.adamw(
           learning_rate if adam_learning_rate is None else adam_learning_rate,

@@ -29,6 +29,7 @@ def test_demo_runs_end_to_end_on_a_2x4_mesh(tmp_path, capsys):
     numbers = [float(v.strip().rstrip("%")) for v in row.split("|")[1:]]
     assert len(numbers) == 6 and all(math.isfinite(v) for v in numbers)
   assert (out / "report.png").stat().st_size > 10_000
+  assert (out / "summary.txt").read_text().splitlines()[1].startswith("optimizer")
 
 
 @pytest.mark.parametrize(
