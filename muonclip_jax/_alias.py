@@ -2,34 +2,43 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import optax
 
 from ._muon import check_number, scale_by_muon
-from ._routing import ADAM, MUON, MatrixAxesSpec, muon_labels
+from ._routing import ADAM, MUON, muon_labels
 
 
+def forwards_options_of(inner: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+  """Decorator: ``fn(..., **options)`` hands ``options`` on to ``inner``.
+
+  The decorated function's signature lists ``inner``'s options (every parameter but
+  ``learning_rate``, as keyword-only, with ``inner``'s defaults) after its own, so that
+  ``inspect.signature`` and ``optax.inject_hyperparams`` see, and can inject, each of them,
+  and every option is written down once, where it is used.
+  """
+
+  def wrap(fn):
+    own = [p for p in inspect.signature(fn).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    names = {p.name for p in own} | {"learning_rate"}
+    rest = [p.replace(kind=p.KEYWORD_ONLY) for p in inspect.signature(inner).parameters.values()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in names]
+    fn.__signature__ = inspect.Signature(own + rest, return_annotation=inspect.signature(fn).return_annotation)
+    return fn
+
+  return wrap
+
+
+@forwards_options_of(scale_by_muon)
 def muon(
     learning_rate: optax.ScalarOrSchedule,
     *,
     weight_decay: float = 0.1,
     weight_decay_mask: Any = None,
-    beta: float = 0.95,
-    nesterov: bool = True,
-    ns_steps: int | None = None,
-    ns_coeffs: Any = "polar_express_4",
-    ns_method: str = "auto",
-    ns_normalize: str | None = None,
-    ns_restarts: Any = (),
-    ns_batch: int | None = None,
-    eps: float = 1e-7,
-    compute_dtype: Any = None,
-    mu_dtype: Any = None,
-    rms_match: str | None = "moonlight",
-    rms_scale: float = 0.2,
-    matrix_axes: MatrixAxesSpec = None,
-    shard_orthogonalization: Any = None,
+    **muon_options: Any,
 ) -> optax.GradientTransformation:
   """Muon for weight matrices, as in Kimi K2 (arXiv 2507.20534, Algorithm 1).
 
@@ -43,34 +52,19 @@ def muon(
     learning_rate: a scalar or an optax schedule.
     weight_decay: decoupled weight decay (Moonlight/Kimi: 0.1); must be >= 0.
     weight_decay_mask: optional mask or callable, as in ``optax.add_decayed_weights``.
-    beta, nesterov, ns_steps, ns_coeffs, ns_method, ns_normalize, ns_restarts, ns_batch, eps,
-      compute_dtype, mu_dtype, rms_match,
-      rms_scale, matrix_axes, shard_orthogonalization: see ``scale_by_muon``.
+    **muon_options: the options of ``scale_by_muon`` (``beta``, ``nesterov``, the ``ns_*``
+      Newton–Schulz options, ``eps``, ``compute_dtype``, ``mu_dtype``, ``rms_match``,
+      ``rms_scale``, ``matrix_axes``, ``shard_orthogonalization``), with its defaults.
   """
   check_number("weight_decay", weight_decay, low=0.0)
   return optax.chain(
-      scale_by_muon(
-          beta,
-          nesterov=nesterov,
-          ns_steps=ns_steps,
-          ns_coeffs=ns_coeffs,
-          ns_method=ns_method,
-          ns_normalize=ns_normalize,
-          ns_restarts=ns_restarts,
-          ns_batch=ns_batch,
-          eps=eps,
-          compute_dtype=compute_dtype,
-          mu_dtype=mu_dtype,
-          rms_match=rms_match,
-          rms_scale=rms_scale,
-          matrix_axes=matrix_axes,
-          shard_orthogonalization=shard_orthogonalization,
-      ),
+      scale_by_muon(**muon_options),
       optax.add_decayed_weights(weight_decay, weight_decay_mask),
       optax.scale_by_learning_rate(learning_rate),
   )
 
 
+@forwards_options_of(muon)
 def muon_adamw(
     learning_rate: optax.ScalarOrSchedule,
     *,
@@ -81,21 +75,7 @@ def muon_adamw(
     adam_b2: float = 0.95,
     adam_eps: float = 1e-8,
     adam_weight_decay: float | None = None,
-    beta: float = 0.95,
-    nesterov: bool = True,
-    ns_steps: int | None = None,
-    ns_coeffs: Any = "polar_express_4",
-    ns_method: str = "auto",
-    ns_normalize: str | None = None,
-    ns_restarts: Any = (),
-    ns_batch: int | None = None,
-    eps: float = 1e-7,
-    compute_dtype: Any = None,
-    mu_dtype: Any = None,
-    rms_match: str | None = "moonlight",
-    rms_scale: float = 0.2,
-    matrix_axes: MatrixAxesSpec = None,
-    shard_orthogonalization: Any = None,
+    **muon_options: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """The optimizer for a whole model: Muon on hidden matrices, AdamW on the rest.
 
@@ -112,39 +92,20 @@ def muon_adamw(
     adam_learning_rate: AdamW's learning rate; defaults to ``learning_rate``.
     adam_b1, adam_b2, adam_eps: AdamW moments (Moonlight: 0.9, 0.95, 1e-8).
     adam_weight_decay: AdamW's decoupled weight decay; defaults to ``weight_decay``.
-    beta, nesterov, ns_steps, ns_coeffs, ns_method, ns_normalize, ns_restarts, ns_batch, eps,
-      compute_dtype, mu_dtype, rms_match,
-      rms_scale, matrix_axes, shard_orthogonalization: Muon's options (see ``scale_by_muon``).
+    **muon_options: Muon's other options (see ``muon`` and ``scale_by_muon``);
+      ``mu_dtype`` applies to AdamW's first moment too.
   """
   adam_wd = weight_decay if adam_weight_decay is None else adam_weight_decay
   check_number("adam_weight_decay", adam_wd, low=0.0)
   transforms = {
-      MUON: muon(
-          learning_rate,
-          weight_decay=weight_decay,
-          beta=beta,
-          nesterov=nesterov,
-          ns_steps=ns_steps,
-          ns_coeffs=ns_coeffs,
-          ns_method=ns_method,
-          ns_normalize=ns_normalize,
-          ns_restarts=ns_restarts,
-          ns_batch=ns_batch,
-          eps=eps,
-          compute_dtype=compute_dtype,
-          mu_dtype=mu_dtype,
-          rms_match=rms_match,
-          rms_scale=rms_scale,
-          matrix_axes=matrix_axes,
-          shard_orthogonalization=shard_orthogonalization,
-      ),
+      MUON: muon(learning_rate, weight_decay=weight_decay, **muon_options),
       ADAM: optax.adamw(
           learning_rate if adam_learning_rate is None else adam_learning_rate,
           b1=adam_b1,
           b2=adam_b2,
           eps=adam_eps,
           weight_decay=adam_wd,
-          mu_dtype=mu_dtype,
+          mu_dtype=muon_options.get("mu_dtype"),
       ),
   }
   return optax.partition(transforms, muon_labels if labels is None else labels)

@@ -9,7 +9,6 @@ so that ``optax.apply_updates(params, u')`` gives the clipped parameters.
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any
 
@@ -17,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._alias import muon_adamw
+from ._alias import forwards_options_of, muon_adamw
 from ._qk_clip import _check_layout, qk_clip
 
 _MISSING_MAX_LOGITS = (
@@ -88,6 +87,7 @@ def qk_clip_transform(threshold: Any, *, layout: Any) -> optax.GradientTransform
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+@forwards_options_of(muon_adamw)
 def muonclip(
     learning_rate: optax.ScalarOrSchedule,
     *,
@@ -127,15 +127,3 @@ def muonclip(
       muon_adamw(learning_rate, **muon_adamw_kwargs),
       qk_clip_transform(qk_clip_threshold, layout=layout),
   )
-
-
-def _muonclip_signature() -> inspect.Signature:
-  """muonclip's own parameters followed by muon_adamw's keyword-only ones (with defaults)."""
-  own = list(inspect.signature(muonclip).parameters.values())[:-1]
-  names = {p.name for p in own}
-  rest = [p for p in inspect.signature(muon_adamw).parameters.values()
-          if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in names]
-  return inspect.Signature(own + rest, return_annotation=optax.GradientTransformationExtraArgs)
-
-
-muonclip.__signature__ = _muonclip_signature()
