@@ -24,3 +24,19 @@ def np_muon_step(param, grad, buf, *, lr, weight_decay=0.1, momentum=0.95, neste
   u = u * 0.2 * np.sqrt(max(param.shape))
   param = param * (1 - lr * weight_decay) - lr * u
   return param, buf
+
+
+def ns_test_matrices(seed, shapes):
+  """For each shape: a Gaussian matrix, then one with its singular values set to 1 .. 1e-6."""
+  rng = np.random.default_rng(seed)
+  for shape in shapes:
+    x = rng.standard_normal(shape)
+    yield x
+    u, _, vt = np.linalg.svd(x, full_matrices=False)
+    yield (u * np.logspace(0, -6, min(shape))) @ vt  # condition number 1e6
+
+
+def svd_response(x, y):
+  """``(U^T y V, s / ||x||_F)`` for the SVD ``x = U diag(s) V^T``: p(s) along each direction."""
+  u, s, vt = np.linalg.svd(x, full_matrices=False)
+  return u.T @ y @ vt.T, s / np.linalg.norm(x)

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+from _muon_reference import ns_test_matrices, svd_response
 import muonclip_jax as mc
 from muonclip_jax import _newton_schulz as ns_lib
 
@@ -28,18 +29,10 @@ BANDS = {
 
 
 def _matrices(seed=0):
-  rng = np.random.default_rng(seed)
-  for shape in [(48, 48), (32, 96), (96, 32)]:
-    x = rng.standard_normal(shape)
-    yield x
-    u, _, vt = np.linalg.svd(x, full_matrices=False)
-    yield (u * np.logspace(0, -6, min(shape))) @ vt  # condition number 1e6
+  return ns_test_matrices(seed, [(48, 48), (32, 96), (96, 32)])
 
 
-def _response(x, y):
-  """U^T y V for the SVD of x, and the singular values of x over ||x||_F."""
-  u, s, vt = np.linalg.svd(x, full_matrices=False)
-  return u.T @ y @ vt.T, s / np.linalg.norm(x)
+_response = svd_response
 
 
 def _run(x, dtype, **kw):

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from _muon_reference import ns_test_matrices, svd_response
 from muonclip_jax import newton_schulz
 
 # (preset, dtype) -> band of output singular values for input singular values >= CUTOFF of
@@ -24,19 +25,13 @@ BANDS = {
 
 
 def _matrices(seed):
-  rng = np.random.default_rng(seed)
-  for shape in [(48, 48), (32, 80), (80, 32)]:
-    x = rng.standard_normal(shape)
-    yield x
-    u, _, vt = np.linalg.svd(x, full_matrices=False)
-    yield (u * np.logspace(0, -6, min(shape))) @ vt  # condition number 1e6
+  return ns_test_matrices(seed, [(48, 48), (32, 80), (80, 32)])
 
 
 def _svd_response(x, y):
   """Input singular values (relative to ||x||_F) and diag(U^T y V): p(s) per direction."""
-  u, s, vt = np.linalg.svd(x, full_matrices=False)
-  proj = u.T @ y @ vt.T
-  return s / np.linalg.norm(x), proj
+  proj, rel = svd_response(x, y)
+  return rel, proj
 
 
 @pytest.mark.parametrize("preset,dtype", list(BANDS))
