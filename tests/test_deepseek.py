@@ -274,8 +274,8 @@ def test_config_constructor_deepseek_v3_and_kimi_k2():
   assert mnn.mla_from_hf_config(dict(DEEPSEEK_V3, rope_scaling=None)).yarn is None
   no_lora = mnn.mla_from_hf_config(dict(DEEPSEEK_V3, q_lora_rank=None, rope_interleave=False))
   assert no_lora.q_lora_rank == 0 and no_lora.rope_interleave is False
-  model = mnn.mla_nnx_from_hf_config(CONFIG, rngs=nnx.Rngs(0))
-  assert model.rope_interleave and model.yarn == mnn.YarnScaling(
+  model = nnx.eval_shape(lambda: mnn.mla_nnx_from_hf_config(CONFIG, rngs=nnx.Rngs(0)))
+  assert model.wq_b.kernel.shape == (16, 4 * 16) and model.rope_interleave and model.yarn == mnn.YarnScaling(
       4.0, 8192, beta_fast=32.0, beta_slow=1.0, mscale=0.707)
 
 
@@ -362,14 +362,26 @@ def test_stacked_weights_under_scan_and_nnx(tmp_path):
     h = h + ref_mla(weights[layer], h, CONFIG, POSITIONS)
   chex.assert_trees_all_close(y, h.astype(np.float32), rtol=1e-4, atol=1e-4)
 
-  # NNX: one layer loaded through replace_by_pure_dict.
-  model = mnn.mla_nnx_from_hf_config(CONFIG, rngs=nnx.Rngs(0))
+  # NNX: the same stack built with nnx.vmap, loaded with replace_by_pure_dict, run by nnx.scan.
+  @nnx.split_rngs(splits=LAYERS)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def create(rngs):
+    return mnn.mla_nnx_from_hf_config(CONFIG, rngs=rngs)
+
+  model = create(nnx.Rngs(0))
   state = nnx.state(model, nnx.Param)
-  nnx.replace_by_pure_dict(state, mnn.load_hf_mla_params(tmp_path, CONFIG, layers=2))
+  nnx.replace_by_pure_dict(state, stacked)
   nnx.update(model, state)
-  y_nnx = nnx.jit(lambda m, x, p: m(x, positions=p))(model, jnp.asarray(x), pos)
-  expected = ref_mla(weights[2], x.astype(np.float64), CONFIG, POSITIONS)
-  chex.assert_trees_all_close(y_nnx, expected.astype(np.float32), rtol=1e-4, atol=1e-5)
+
+  @nnx.jit
+  def run(model, x, positions):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def body(x, layer):
+      return x + layer(x, positions=positions)
+
+    return body(x, model)
+
+  chex.assert_trees_all_close(run(model, jnp.asarray(x), pos), y, rtol=1e-5, atol=1e-5)
 
 
 def test_mapping_source_and_dtype():

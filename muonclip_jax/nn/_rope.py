@@ -22,14 +22,15 @@ interpolation, for slow dimensions) and ``theta_i`` (kept, for fast ones):
     ``high == low``): 1 for fast dimensions, 0 for slow ones;
   theta_i' = (1 - gamma_i) * theta_i / s + gamma_i * theta_i
 
-exactly as DeepSeek-V3's reference ``precompute_freqs_cis`` (``find_correction_range``
-clamps ``high`` to ``D - 1``, the rotary width, although the ramp runs over ``D/2``
-frequencies; Hugging Face's YaRN does the same) for every configuration, equal betas
-(Kimi K2: 1.0 / 1.0) included.
-
 and corrects the softmax temperature by ``mscale = 0.1 * m * ln(s) + 1``;
 DeepSeek-V3 multiplies the softmax scale ``1 / sqrt(d_qk)`` by ``mscale^2``
 (``softmax_scale`` below).
+
+The ramp is exactly DeepSeek-V3's reference ``precompute_freqs_cis`` for every
+configuration: ``find_correction_range`` clamps ``high`` to ``D - 1``, the rotary width,
+although the ramp runs over ``D/2`` frequencies (Hugging Face's YaRN does the same);
+equal betas (Kimi K2: 1.0 / 1.0) give a one-step ramp; and when ``low > high`` (a huge
+``L_orig``) the formula is kept as the reference has it.
 """
 
 from __future__ import annotations
