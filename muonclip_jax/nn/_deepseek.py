@@ -187,8 +187,8 @@ class _Tensors:
       sl = self._files[name].get_slice(name)
       dtype = sl.get_dtype()
       return _FLOAT_DTYPES.get(dtype, dtype.lower()), tuple(sl.get_shape())
-    a = self._arrays[name]
-    return np.dtype(a.dtype).name, tuple(a.shape)
+    a = np.asarray(self._arrays[name])
+    return a.dtype.name, a.shape
 
   def read(self, name: str) -> np.ndarray:
     if name in self._files:
