@@ -35,9 +35,9 @@ def rope_frequencies(dim: int, base: float, yarn: dict | None = None) -> np.ndar
     return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
   low = max(math.floor(index(yarn.get("beta_fast", 32.0))), 0)
-  high = min(math.ceil(index(yarn.get("beta_slow", 1.0))), dim // 2 - 1)
-  if high <= low:
-    high = low + 1e-3
+  high = min(math.ceil(index(yarn.get("beta_slow", 1.0))), dim - 1)  # DeepSeek-V3: dim - 1
+  if high == low:
+    high += 1e-3
   out = np.empty_like(freqs)
   for i, theta in enumerate(freqs):
     ramp = min(max((i - low) / (high - low), 0.0), 1.0)  # 0 fast .. 1 slow

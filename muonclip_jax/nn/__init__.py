@@ -8,13 +8,20 @@ Each module's ``layout`` property is the ``MLALayout``/``GQALayout`` for ``qk_cl
 
 The pure functions ``attention``, ``dense_attention`` and ``chunked_attention`` return
 ``(out, max_logits)``; ``apply_rope``/``rope_frequencies``/``YarnScaling`` are the rotary
-embeddings. Logical axis names: "embed", "q_lora", "kv_lora", "heads", "kv_heads", "norm".
+embeddings (``rope_interleave=True``: DeepSeek-V3's interleaved pairs).
+``mla_from_hf_config``/``mla_nnx_from_hf_config`` build MLA from a Hugging Face
+DeepSeek-V3 / Kimi K2 ``config.json`` dict and ``load_hf_mla_params`` converts its
+attention weights (safetensors, optional extra ``hf``). Logical axis names: "embed",
+"q_lora", "kv_lora", "heads", "kv_heads", "norm".
 """
 
 from ._attention import ATTENTION_IMPLS as ATTENTION_IMPLS
 from ._attention import attention as attention
 from ._attention import chunked_attention as chunked_attention
 from ._attention import dense_attention as dense_attention
+from ._deepseek import load_hf_mla_params as load_hf_mla_params
+from ._deepseek import mla_from_hf_config as mla_from_hf_config
+from ._deepseek import mla_nnx_from_hf_config as mla_nnx_from_hf_config
 from ._gqa import GroupedQueryAttention as GroupedQueryAttention
 from ._mla import MultiHeadLatentAttention as MultiHeadLatentAttention
 from ._nnx import GroupedQueryAttentionNNX as GroupedQueryAttentionNNX

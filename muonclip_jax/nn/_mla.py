@@ -55,8 +55,10 @@ def validate_common(
 
 
 def validate_mla(name: str, *, num_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim,
-                 qk_rope_head_dim, v_head_dim, **common) -> MLALayout:
+                 qk_rope_head_dim, v_head_dim, rope_interleave=False, **common) -> MLALayout:
   """Checks MLA fields with ``ValueError`` and returns the layout."""
+  if not isinstance(rope_interleave, bool):
+    raise ValueError(f"{name}: rope_interleave must be a bool, got {rope_interleave!r}")
   _check_positive_int(f"{name}: q_lora_rank", q_lora_rank, allow_zero=True)
   _check_positive_int(f"{name}: kv_lora_rank", kv_lora_rank)
   try:
@@ -107,6 +109,7 @@ def mla_qkv(
     kv_lora_rank: int,
     rope_theta: float,
     yarn: YarnScaling | None,
+    rope_interleave: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Per-head ``q (B, T, H, dn+dr)``, ``k (B, T, H, dn+dr)``, ``v (B, T, H, dv)``.
 
@@ -122,8 +125,9 @@ def mla_qkv(
   kv = wkv_b(kv_norm(c_kv)).reshape(b, t, h, dn + dv)
   k_nope, v = kv[..., :dn], kv[..., dn:]
   if dr:
-    q_rope = apply_rope(q_rope, positions, base=rope_theta, yarn=yarn)
-    k_rope = apply_rope(k_rope[:, :, None, :], positions, base=rope_theta, yarn=yarn)
+    rope = dict(base=rope_theta, yarn=yarn, rope_interleave=rope_interleave)
+    q_rope = apply_rope(q_rope, positions, **rope)
+    k_rope = apply_rope(k_rope[:, :, None, :], positions, **rope)
     k_rope = jnp.broadcast_to(k_rope, (b, t, h, dr)).astype(k_nope.dtype)
     q = jnp.concatenate([q_nope, q_rope], axis=-1)
     k = jnp.concatenate([k_nope, k_rope], axis=-1)
@@ -174,6 +178,9 @@ class MultiHeadLatentAttention(nn.Module):
     v_head_dim: per-head value width.
     rope_theta: RoPE base.
     yarn: optional ``YarnScaling``: YaRN frequencies and the softmax scale times ``mscale^2``.
+    rope_interleave: rotate the pairs ``(2i, 2i+1)`` of each rotary part (DeepSeek-V3's
+      reference and Hugging Face's ``rope_interleave``) instead of ``(i, i + dr/2)``;
+      checkpoints of DeepSeek-V3 / Kimi K2 then load without permuting columns.
     causal: causal self-attention (default True).
     attention_impl: ``"dense"`` (materialized logits) or ``"chunked"`` (online softmax).
     block_size: key block length of ``"chunked"``.
@@ -191,6 +198,7 @@ class MultiHeadLatentAttention(nn.Module):
   v_head_dim: int = 128
   rope_theta: float = 10000.0
   yarn: YarnScaling | None = None
+  rope_interleave: bool = False
   causal: bool = True
   attention_impl: AttentionImpl = "dense"
   block_size: int = 512
@@ -205,7 +213,7 @@ class MultiHeadLatentAttention(nn.Module):
         kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
         qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
         attention_impl=self.attention_impl, block_size=self.block_size,
-        rope_theta=self.rope_theta, yarn=self.yarn,
+        rope_theta=self.rope_theta, yarn=self.yarn, rope_interleave=self.rope_interleave,
     )
     super().__post_init__()
 
@@ -261,7 +269,7 @@ class MultiHeadLatentAttention(nn.Module):
     )
     q, k, v = mla_qkv(
         q, wkv_a(x), kv_norm, wkv_b, positions, layout=layout, kv_lora_rank=self.kv_lora_rank,
-        rope_theta=self.rope_theta, yarn=self.yarn,
+        rope_theta=self.rope_theta, yarn=self.yarn, rope_interleave=self.rope_interleave,
     )
     capture = self.is_mutable_collection("intermediates")
     out, max_logits = attention(

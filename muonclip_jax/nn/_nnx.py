@@ -95,6 +95,7 @@ class MultiHeadLatentAttentionNNX(nnx.Module):
       v_head_dim: int = 128,
       rope_theta: float = 10000.0,
       yarn: YarnScaling | None = None,
+      rope_interleave: bool = False,
       causal: bool = True,
       attention_impl: AttentionImpl = "dense",
       block_size: int = 512,
@@ -109,9 +110,10 @@ class MultiHeadLatentAttentionNNX(nnx.Module):
         type(self).__name__, num_heads=num_heads, q_lora_rank=q_lora_rank,
         kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
         qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim, attention_impl=attention_impl,
-        block_size=block_size, rope_theta=rope_theta, yarn=yarn,
+        block_size=block_size, rope_theta=rope_theta, yarn=yarn, rope_interleave=rope_interleave,
     )
     self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
+    self.rope_interleave = rope_interleave
     self.rope_theta, self.yarn, self.causal = rope_theta, yarn, causal
     self.attention_impl, self.block_size = attention_impl, block_size
     h, dn, dr, dv = num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
@@ -163,6 +165,7 @@ class MultiHeadLatentAttentionNNX(nnx.Module):
     q, k, v = mla_qkv(
         q, self.wkv_a(x), self.kv_norm, self.wkv_b, positions, layout=layout,
         kv_lora_rank=self.kv_lora_rank, rope_theta=self.rope_theta, yarn=self.yarn,
+        rope_interleave=self.rope_interleave,
     )
     capture = capturing_intermediates(self)
     out, max_logits = attention(

@@ -1,26 +1,36 @@
 """Rotary position embeddings (RoPE) with optional YaRN long-context scaling.
 
-RoPE (Su et al., "RoFormer", arXiv 2104.09864, Sec. 3.4) rotates each pair of
-coordinates ``(x_i, x_{i + D/2})`` of a ``D``-wide vector at position ``p`` by
-the angle ``p * theta_i`` with ``theta_i = base^(-2i / D)``, ``i < D/2``. We use
-the "rotate half" pairing of GPT-NeoX/Llama; DeepSeek-V3's reference code pairs
-``(x_{2i}, x_{2i+1})`` instead, which is a fixed permutation of the rotary columns
-and changes nothing for QK-Clip. Rotations preserve norms and make ``<R_m q, R_n k>``
-a function of ``m - n`` only.
+RoPE (Su et al., "RoFormer", arXiv 2104.09864, Sec. 3.4) rotates pairs of coordinates
+of a ``D``-wide vector at position ``p`` by the angle ``p * theta_i`` with
+``theta_i = base^(-2i / D)``, ``i < D/2``. By default the pairs are ``(x_i, x_{i + D/2})``
+("rotate half", GPT-NeoX/Llama). With ``rope_interleave=True`` they are
+``(x_{2i}, x_{2i+1})``, as in DeepSeek-V3's reference ``inference/model.py``
+(``view_as_complex``) and Hugging Face's ``rope_interleave``: checkpoints trained that way
+load without permuting their rotary columns. The two pairings differ by a fixed
+permutation of the rotary columns, which changes nothing for QK-Clip. Rotations preserve
+norms and make ``<R_m q, R_n k>`` a function of ``m - n`` only.
 
 YaRN (Peng et al., arXiv 2309.00071: "NTK-by-parts" interpolation plus the attention
 temperature ``sqrt(1/t) = 0.1 ln(s) + 1``) as used by DeepSeek-V3 (arXiv 2412.19437,
 Sec. 4.3) interpolates each frequency between ``theta_i / s`` (position
 interpolation, for slow dimensions) and ``theta_i`` (kept, for fast ones):
 
-  gamma_i = 1 - clip((i - low) / (high - low), 0, 1), where ``low`` (``high``) is the
-    index whose frequency makes ``beta_fast`` (``beta_slow``) rotations over the
-    original context ``L_orig``: 1 for fast dimensions, 0 for slow ones;
+  gamma_i = 1 - clip((i - low) / (high - low), 0, 1), where ``low = max(floor(c_fast), 0)``
+    and ``high = min(ceil(c_slow), D - 1)``, ``c_beta`` being the (fractional) index whose
+    frequency makes ``beta`` rotations over the original context ``L_orig``
+    (``beta_fast`` for ``low``, ``beta_slow`` for ``high``; ``high += 0.001`` when
+    ``high == low``): 1 for fast dimensions, 0 for slow ones;
   theta_i' = (1 - gamma_i) * theta_i / s + gamma_i * theta_i
 
 and corrects the softmax temperature by ``mscale = 0.1 * m * ln(s) + 1``;
 DeepSeek-V3 multiplies the softmax scale ``1 / sqrt(d_qk)`` by ``mscale^2``
 (``softmax_scale`` below).
+
+The ramp is exactly DeepSeek-V3's reference ``precompute_freqs_cis`` for every
+configuration: ``find_correction_range`` clamps ``high`` to ``D - 1``, the rotary width,
+although the ramp runs over ``D/2`` frequencies (Hugging Face's YaRN does the same);
+equal betas (Kimi K2: 1.0 / 1.0) give a one-step ramp; and when ``low > high`` (a huge
+``L_orig``) the formula is kept as the reference has it.
 """
 
 from __future__ import annotations
@@ -41,7 +51,8 @@ class YarnScaling:
     factor: context extension factor ``s`` (new length / original length), ``>= 1``.
     original_max_position: context length ``L_orig`` the model was pretrained with.
     beta_fast: rotations over ``L_orig`` above which a dimension is kept (DeepSeek-V3: 32).
-    beta_slow: rotations over ``L_orig`` below which a dimension is interpolated (1).
+    beta_slow: rotations over ``L_orig`` below which a dimension is interpolated (1);
+      ``beta_slow <= beta_fast`` (equal betas, as in Kimi K2, make a one-index ramp).
     mscale: coefficient ``m`` of the temperature correction ``0.1 * m * ln(s) + 1`` (1.0).
   """
 
@@ -59,9 +70,9 @@ class YarnScaling:
           "YarnScaling: original_max_position must be an int >= 1, "
           f"got {self.original_max_position!r}"
       )
-    if not self.beta_fast > self.beta_slow > 0:
+    if not self.beta_fast >= self.beta_slow > 0:
       raise ValueError(
-          "YarnScaling: need beta_fast > beta_slow > 0, "
+          "YarnScaling: need beta_fast >= beta_slow > 0, "
           f"got beta_fast={self.beta_fast!r}, beta_slow={self.beta_slow!r}"
       )
 
@@ -97,9 +108,9 @@ def rope_frequencies(
     return freqs
   low = math.floor(_correction_index(yarn.beta_fast, dim, base, yarn.original_max_position))
   high = math.ceil(_correction_index(yarn.beta_slow, dim, base, yarn.original_max_position))
-  low, high = max(low, 0), min(high, half - 1)
-  if high <= low:
-    high = low + 1e-3  # avoid 0/0 when the ramp collapses to a step
+  low, high = max(low, 0), min(high, dim - 1)  # dim - 1, not half - 1: as the reference
+  if high == low:
+    high += 1e-3  # avoid 0/0 when the ramp collapses to a step (as the reference)
   keep = np.clip((np.arange(half, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
   keep = 1.0 - keep  # 1 for fast dimensions (kept), 0 for slow ones (interpolated)
   return freqs / yarn.factor * (1.0 - keep) + freqs * keep
@@ -134,13 +145,16 @@ def apply_rope(
     *,
     base: float = 10000.0,
     yarn: YarnScaling | None = None,
+    rope_interleave: bool = False,
 ) -> jax.Array:
   """Rotates ``x`` of shape ``(batch, seq, heads, D)`` by its ``positions`` ``(batch, seq)``.
 
-  ``out[..., i] = x_i cos(p theta_i) - x_{i+D/2} sin(p theta_i)`` and
-  ``out[..., i+D/2] = x_{i+D/2} cos(p theta_i) + x_i sin(p theta_i)`` for ``i < D/2``
-  (RoFormer Sec. 3.4, rotate-half pairing). Angles are computed in float32; the result
-  has the dtype of ``x``.
+  Rotate-half pairing (default): ``out[..., i] = x_i cos(p theta_i) - x_{i+D/2} sin(p theta_i)``
+  and ``out[..., i+D/2] = x_{i+D/2} cos(p theta_i) + x_i sin(p theta_i)`` for ``i < D/2``
+  (RoFormer Sec. 3.4). ``rope_interleave=True``: the same with the pair
+  ``(x_{2i}, x_{2i+1})`` written to ``(out_{2i}, out_{2i+1})``, i.e. the complex product
+  ``(x_{2i} + j x_{2i+1}) e^{j p theta_i}`` of DeepSeek-V3's ``apply_rotary_emb``.
+  Angles are computed in float32; the result has the dtype of ``x``.
   """
   if x.ndim != 4:
     raise ValueError(f"apply_rope: expected x of shape (batch, seq, heads, dim), got {x.shape}")
@@ -152,6 +166,12 @@ def apply_rope(
   freqs = jnp.asarray(rope_frequencies(dim, base=base, yarn=yarn), jnp.float32)
   angles = positions.astype(jnp.float32)[:, :, None, None] * freqs[None, None, None, :]
   cos, sin = jnp.cos(angles), jnp.sin(angles)
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  xf = x.astype(jnp.float32)
+  if rope_interleave:
+    pairs = xf.reshape(*x.shape[:-1], dim // 2, 2)
+    x1, x2 = pairs[..., 0], pairs[..., 1]
+    out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
+  else:
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
