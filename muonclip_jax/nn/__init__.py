@@ -6,16 +6,19 @@ Linen: ``MultiHeadLatentAttention`` (DeepSeek-V3 MLA) and ``GroupedQueryAttentio
 ``GroupedQueryAttentionNNX``, captured with ``nnx.capture(model, nnx.Intermediate)``.
 Each module's ``layout`` property is the ``MLALayout``/``GQALayout`` for ``qk_clip``.
 
-The pure functions ``attention``, ``dense_attention`` and ``chunked_attention`` return
-``(out, max_logits)``; ``apply_rope``/``rope_frequencies``/``YarnScaling`` are the rotary
-embeddings. Logical axis names: "embed", "q_lora", "kv_lora", "heads", "kv_heads", "norm".
+The pure functions ``attention``, ``dense_attention``, ``chunked_attention``,
+``pallas_attention`` (fused Pallas kernel) and ``dpa_max_attention``
+(``jax.nn.dot_product_attention`` plus a max-only pass) return ``(out, max_logits)``;
+``apply_rope``/``rope_frequencies``/``YarnScaling`` are the rotary embeddings. Logical axis names: "embed", "q_lora", "kv_lora", "heads", "kv_heads", "norm".
 """
 
 from ._attention import ATTENTION_IMPLS as ATTENTION_IMPLS
 from ._attention import attention as attention
 from ._attention import chunked_attention as chunked_attention
 from ._attention import dense_attention as dense_attention
+from ._flash_pallas import pallas_attention as pallas_attention
 from ._gqa import GroupedQueryAttention as GroupedQueryAttention
+from ._max_pass import dpa_max_attention as dpa_max_attention
 from ._mla import MultiHeadLatentAttention as MultiHeadLatentAttention
 from ._nnx import GroupedQueryAttentionNNX as GroupedQueryAttentionNNX
 from ._nnx import MultiHeadLatentAttentionNNX as MultiHeadLatentAttentionNNX

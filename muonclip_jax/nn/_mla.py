@@ -175,8 +175,9 @@ class MultiHeadLatentAttention(nn.Module):
     rope_theta: RoPE base.
     yarn: optional ``YarnScaling``: YaRN frequencies and the softmax scale times ``mscale^2``.
     causal: causal self-attention (default True).
-    attention_impl: ``"dense"`` (materialized logits) or ``"chunked"`` (online softmax).
-    block_size: key block length of ``"chunked"``.
+    attention_impl: ``"dense"`` (materialized logits), ``"chunked"`` (online softmax),
+      ``"pallas"`` (fused Pallas kernel) or ``"dpa_max"`` (see ``attention``).
+    block_size: key block length of ``"chunked"`` and ``"dpa_max"``; caps ``"pallas"`` tiles.
     norm_epsilon: RMSNorm epsilon of ``q_norm`` and ``kv_norm``.
     dtype: computation dtype (``None``: inferred from inputs and params).
     param_dtype: parameter dtype.
