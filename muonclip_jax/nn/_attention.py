@@ -308,15 +308,21 @@ def _flash_bwd(cfg, res, cts):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
+  """Zero-pads (``False`` for booleans) ``axis`` of ``x`` at the end to length ``size``."""
+  pad = size - x.shape[axis]
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths)
+
+
 def _to_blocks(x: jax.Array | None, axis: int, nb: int, block: int) -> jax.Array | None:
   """Pads ``axis`` of ``x`` to ``nb * block`` and moves the block index to the front."""
   if x is None:
     return None
-  pad = nb * block - x.shape[axis]
-  if pad:
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    x = jnp.pad(x, widths)  # zeros / False; padded keys are masked by position
+  x = _pad_axis(x, axis, nb * block)  # padded keys are masked by position
   axis = axis % x.ndim
   x = x.reshape(x.shape[:axis] + (nb, block) + x.shape[axis + 1 :])
   return jnp.moveaxis(x, axis, 0)

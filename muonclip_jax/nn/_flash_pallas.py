@@ -10,8 +10,8 @@ reduces it over batch and rows to the per-head maxima: no second pass over ``Q K
 
 The backward pass (a custom VJP, Dao et al. Alg. 2) is two kernels that recompute each
 block's logits from ``Q``, ``K`` and the saved log-sum-exp: one accumulates ``dQ`` over
-key blocks, one accumulates ``dK``, ``dV`` over query blocks (per query head; for GQA the
-``G`` heads of a group are summed afterwards).
+key blocks, one accumulates ``dK``, ``dV`` over query blocks and, for GQA, over the ``G``
+query heads that share the key/value head.
 
 Lowering: Pallas Triton on GPU (``jax.experimental.pallas.triton``); on any other backend
 the same kernels run in Pallas interpret mode (slow: for tests and CPU correctness, not
@@ -19,6 +19,9 @@ speed; no TPU Mosaic variant is written). Triton needs power-of-two tiles of at 
 so the head widths are zero-padded to the next power of two (MLA's 192 runs as 256: zero
 columns change no dot product) and the lengths to a multiple of the tile; padded keys
 are masked, padded queries are dropped before the maximum.
+
+XLA does not partition a Pallas call: on a mesh, call it inside ``jax.shard_map`` (batch
+and heads shard freely).
 
 Masks: causal (bottom-right aligned), segment ids, ``q_mask``/``kv_mask``. The explicit
 ``(B, H, Tq, Tk)`` boolean ``mask`` of ``attention`` is not supported (it would be a
@@ -36,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._attention import _check_and_prepare
+from ._attention import _check_and_prepare, _pad_axis
 
 _MIN_TILE = 16  # Triton's smallest dot operand dimension
 _MAX_TILE = 64  # default cap: 64 x 64 tiles with widths up to 256 fit a GPU's shared memory
@@ -213,35 +216,40 @@ def _dq_kernel(cfg: _Cfg, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs
 
 
 def _dkv_kernel(cfg: _Cfg, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs):
+  """One key tile of one key/value head: sums over its ``G`` query heads and query tiles."""
   (qseg_ref, kseg_ref, qval_ref, kval_ref), (dk_ref, dv_ref) = _split_aux(cfg, refs)
   k_start = pl.program_id(0) * cfg.bk
   k, v = k_ref[...], v_ref[...]
   kseg, kval = _load(kseg_ref), _load(kval_ref)
-
-  def body(i, carry):
-    dk, dv = carry
-    qs = pl.ds(i * cfg.bq, cfg.bq)
-    mask = _block_mask(cfg, i * cfg.bq, k_start, _load(qseg_ref, qs), kseg,
-                       _load(qval_ref, qs), kval)
-    q, do = q_ref[qs, :], do_ref[qs, :]
-    p = jnp.exp(_logits(cfg, q, k, mask) - lse_ref[qs][:, None])
-    dv = dv + _dot(p.astype(do.dtype), do, (0, 0))
-    ds = p * (_dot(do, v) - delta_ref[qs][:, None])
-    dk = dk + _dot(ds.astype(q.dtype), q, (0, 0))
-    return dk, dv
-
   nq = q_ref.shape[0] // cfg.bq
-  init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros((cfg.bk, v.shape[-1]), jnp.float32))
-  dk, dv = lax.fori_loop(_query_blocks_start(cfg, k_start), nq, body, init)
+
+  def head(g, carry):
+    def body(i, carry):
+      dk, dv = carry
+      qs = pl.ds(i * cfg.bq, cfg.bq)
+      mask = _block_mask(cfg, i * cfg.bq, k_start, _load(qseg_ref, qs), kseg,
+                         _load(qval_ref, qs), kval)
+      q, do = q_ref[qs, g, :], do_ref[qs, g, :]
+      p = jnp.exp(_logits(cfg, q, k, mask) - lse_ref[g, qs][:, None])
+      dv = dv + _dot(p.astype(do.dtype), do, (0, 0))
+      ds = p * (_dot(do, v) - delta_ref[g, qs][:, None])
+      dk = dk + _dot(ds.astype(q.dtype), q, (0, 0))
+      return dk, dv
+
+    return lax.fori_loop(_query_blocks_start(cfg, k_start), nq, body, carry)
+
+  init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+  dk, dv = lax.fori_loop(0, cfg.groups, head, init)
   dk_ref[...] = (dk * jnp.float32(cfg.scale)).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def _specs(cfg: _Cfg, q, k, v, *, q_tiled: bool):
-  """BlockSpecs of q, k, v and the aux vectors for a grid ``(tiles, B, H)``.
+  """BlockSpecs of q, k, v and the aux vectors.
 
-  ``q_tiled``: the grid runs over query tiles (forward, dQ) and keys are read whole;
-  otherwise over key tiles (dK, dV) and queries are read whole.
+  ``q_tiled`` (forward, dQ): grid ``(query tiles, B, H)``, keys and values of head
+  ``h // G`` read whole. Otherwise (dK, dV): grid ``(key tiles, B, Hkv)``, the queries of
+  the ``G`` heads of key/value head ``h`` read whole.
   """
   g = cfg.groups
   dqk, dv = q.shape[-1], v.shape[-1]
@@ -253,9 +261,9 @@ def _specs(cfg: _Cfg, q, k, v, *, q_tiled: bool):
     qvec = pl.BlockSpec((None, cfg.bq), lambda i, b, h: (b, i))
     kvec = pl.BlockSpec((None, tk), lambda i, b, h: (b, 0))
   else:
-    q_spec = pl.BlockSpec((None, tq, None, dqk), lambda i, b, h: (b, 0, h, 0))
-    k_spec = pl.BlockSpec((None, cfg.bk, None, dqk), lambda i, b, h: (b, i, h // g, 0))
-    v_spec = pl.BlockSpec((None, cfg.bk, None, dv), lambda i, b, h: (b, i, h // g, 0))
+    q_spec = pl.BlockSpec((None, tq, g, dqk), lambda i, b, h: (b, 0, h, 0))
+    k_spec = pl.BlockSpec((None, cfg.bk, None, dqk), lambda i, b, h: (b, i, h, 0))
+    v_spec = pl.BlockSpec((None, cfg.bk, None, dv), lambda i, b, h: (b, i, h, 0))
     qvec = pl.BlockSpec((None, tq), lambda i, b, h: (b, 0))
     kvec = pl.BlockSpec((None, cfg.bk), lambda i, b, h: (b, i))
   aux = []
@@ -322,7 +330,6 @@ def _flash_bwd(cfg, res, cts):
   do = d_out.astype(out.dtype)
   delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), out.astype(jnp.float32))
   row = pl.BlockSpec((None, None, cfg.bq), lambda i, b_, h_: (b_, h_, i))
-  full_row = pl.BlockSpec((None, None, tq), lambda i, b_, h_: (b_, h_, 0))
 
   (q_s, k_s, v_s), aux_s = _specs(cfg, q, k, v, q_tiled=True)
   do_s = pl.BlockSpec((None, cfg.bq, None, v.shape[-1]), lambda i, b_, h_: (b_, i, h_, 0))
@@ -333,34 +340,18 @@ def _flash_bwd(cfg, res, cts):
   )(q, k, v, do, lse, delta, *aux)
 
   (q_s, k_s, v_s), aux_s = _specs(cfg, q, k, v, q_tiled=False)
-  do_s = pl.BlockSpec((None, tq, None, v.shape[-1]), lambda i, b_, h_: (b_, 0, h_, 0))
-  # One dK, dV per query head; a GQA group's G heads are summed below (in float32).
-  dk_dtype = k.dtype if cfg.groups == 1 else jnp.float32
-  dk_s = pl.BlockSpec((None, cfg.bk, None, k.shape[-1]), lambda i, b_, h_: (b_, i, h_, 0))
-  dv_s = pl.BlockSpec((None, cfg.bk, None, v.shape[-1]), lambda i, b_, h_: (b_, i, h_, 0))
+  do_s = pl.BlockSpec((None, tq, cfg.groups, v.shape[-1]), lambda i, b_, h_: (b_, 0, h_, 0))
+  group_rows = pl.BlockSpec((None, cfg.groups, tq), lambda i, b_, h_: (b_, h_, 0))
   dk, dv = _call(
-      functools.partial(_dkv_kernel, cfg), cfg, (tk // cfg.bk, b, h),
-      [q_s, k_s, v_s, do_s, full_row, full_row] + aux_s, [dk_s, dv_s],
-      [jax.ShapeDtypeStruct((b, tk, h, k.shape[-1]), dk_dtype),
-       jax.ShapeDtypeStruct((b, tk, h, v.shape[-1]), dk_dtype)],
+      functools.partial(_dkv_kernel, cfg), cfg, (tk // cfg.bk, b, hkv),
+      [q_s, k_s, v_s, do_s, group_rows, group_rows] + aux_s, [k_s, v_s],
+      [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       "flash_max_backward_dkv",
   )(q, k, v, do, lse, delta, *aux)
-  if cfg.groups > 1:
-    dk = dk.reshape(b, tk, hkv, cfg.groups, -1).sum(axis=3).astype(k.dtype)
-    dv = dv.reshape(b, tk, hkv, cfg.groups, -1).sum(axis=3).astype(v.dtype)
   return dq, dk, dv, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
-
-
-def _pad(x, axis: int, size: int):
-  pad = size - x.shape[axis]
-  if pad == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, pad)
-  return jnp.pad(x, widths)
 
 
 def pallas_attention(
@@ -416,17 +407,18 @@ def pallas_attention(
   )
   tqp, tkp = -(-tq // cfg.bq) * cfg.bq, -(-tk // cfg.bk) * cfg.bk
   dp, dvp = _pow2_at_least(d), _pow2_at_least(dv)
-  qp = _pad(_pad(q, 1, tqp), 3, dp)
-  kp = _pad(_pad(k, 1, tkp), 3, dp)
-  vp = _pad(_pad(v, 1, tkp), 3, dvp)
+  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+  qp = _pad_axis(_pad_axis(q.astype(dtype), 1, tqp), 3, dp)
+  kp = _pad_axis(_pad_axis(k.astype(dtype), 1, tkp), 3, dp)
+  vp = _pad_axis(_pad_axis(v.astype(dtype), 1, tkp), 3, dvp)
   aux = []
   if cfg.segments:
-    aux += [_pad(q_side.segment_ids.astype(jnp.int32), 1, tqp),
-            _pad(k_side.segment_ids.astype(jnp.int32), 1, tkp)]
+    aux += [_pad_axis(q_side.segment_ids.astype(jnp.int32), 1, tqp),
+            _pad_axis(k_side.segment_ids.astype(jnp.int32), 1, tkp)]
   if cfg.q_valid:
-    aux.append(_pad(q_side.mask.astype(jnp.int32), 1, tqp))
+    aux.append(_pad_axis(q_side.mask.astype(jnp.int32), 1, tqp))
   if cfg.kv_valid:
-    aux.append(_pad(k_side.mask.astype(jnp.int32), 1, tkp))
+    aux.append(_pad_axis(k_side.mask.astype(jnp.int32), 1, tkp))
   out, row_max = _flash(cfg, qp, kp, vp, tuple(aux))
   out = out[:, :tq, :, :dv]
   if not cfg.capture:

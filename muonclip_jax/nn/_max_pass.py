@@ -2,7 +2,8 @@
 
 The output (and its gradient) comes from ``jax.nn.dot_product_attention``: cuDNN flash
 attention on a GPU where it applies (bf16/fp16 inputs, no mask other than causal with
-``Tq == Tk``), XLA everywhere else. The per-head maxima of QK-Clip (Kimi K2, arXiv
+``Tq == Tk``, and shapes that JAX's cuDNN checks accept at trace time), XLA everywhere
+else (which materializes the ``Tq x Tk`` logits). The per-head maxima of QK-Clip (Kimi K2, arXiv
 2507.20534, Sec. 2.1) come from a separate pass that computes only
 ``max_{b, i, j unmasked} s_{b,h,i,j}`` over key blocks: one ``Q K_j^T`` product and a max
 per block, no softmax, no ``P V``, no gradient (``stop_gradient``), and
@@ -21,6 +22,8 @@ capture costs a store of the row maxima, not a second ``Q K^T``.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -30,6 +33,7 @@ from ._attention import (
     _group,
     _head_max,
     _KeySide,
+    _pad_axis,
     _scores,
     _Static,
     _to_blocks,
@@ -57,11 +61,6 @@ def _max_only(cfg: _Static, q, k, q_side, k_side, nb: int) -> jax.Array:
   return _head_max(m)
 
 
-def _pad_last(x: jax.Array, width: int) -> jax.Array:
-  pad = width - x.shape[-1]
-  return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-
-
 def _backend_attention(cfg: _Static, q, k, v, q_side, k_side) -> jax.Array:
   """``jax.nn.dot_product_attention`` under this library's masking contract.
 
@@ -76,7 +75,7 @@ def _backend_attention(cfg: _Static, q, k, v, q_side, k_side) -> jax.Array:
   tk, dv = k.shape[1], v.shape[3]
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
   width = max(d, dv)
-  q, k, v = (_pad_last(x.astype(dtype), width) for x in (q, k, v))
+  q, k, v = (_pad_axis(x.astype(dtype), -1, width) for x in (q, k, v))
   only_causal = cfg.causal and all(
       x is None for x in (*q_side, *k_side)
   )
@@ -86,13 +85,19 @@ def _backend_attention(cfg: _Static, q, k, v, q_side, k_side) -> jax.Array:
     if allowed is not None:  # (B|1, Hkv|1, G|1, Tq, Tk|1)
       allowed = jnp.broadcast_to(allowed, allowed.shape[:3] + (tq, tk))
       mask = allowed.reshape(allowed.shape[0], allowed.shape[1] * allowed.shape[2], tq, tk)
-  implementation = None
+  run = functools.partial(
+      jax.nn.dot_product_attention, q, k, v, mask=mask, scale=cfg.softmax_scale,
+      is_causal=mask is None and cfg.causal,
+  )
+  out = None
   if jax.default_backend() == "gpu" and mask is None and dtype in (jnp.bfloat16, jnp.float16):
-    implementation = "cudnn"
-  out = jax.nn.dot_product_attention(
-      q, k, v, mask=mask, scale=cfg.softmax_scale, is_causal=mask is None and cfg.causal,
-      implementation=implementation,
-  )[..., :dv]
+    try:  # jax checks cuDNN's support (version, widths, lengths) at trace time
+      out = run(implementation="cudnn")
+    except (NotImplementedError, ValueError, RuntimeError):
+      out = None  # not supported for these shapes here: XLA below
+  if out is None:
+    out = run(implementation=None)  # XLA
+  out = out[..., :dv]
   if mask is not None:
     row_any = jnp.any(mask, axis=-1).transpose(0, 2, 1)[..., None]  # (B|1, Tq, H|1, 1)
     out = jnp.where(row_any, out, jnp.zeros((), out.dtype))
