@@ -48,11 +48,11 @@ def masks(kind: str, tq: int, tk: int) -> dict:
   }[kind]
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "causal"))
-def _run(q, k, v, arrays, *, impl, causal):
+@functools.partial(jax.jit, static_argnames=("impl", "causal", "block"))
+def _run(q, k, v, arrays, *, impl, causal, block):
   def loss(q, k, v):
     out, m = mnn.attention(
-        q, k, v, softmax_scale=SCALE, impl=impl, block_size=BLOCK, causal=causal,
+        q, k, v, softmax_scale=SCALE, impl=impl, block_size=block, causal=causal,
         return_max_logits=True, **arrays,
     )
     w = jnp.cos(jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape))
@@ -61,21 +61,21 @@ def _run(q, k, v, arrays, *, impl, causal):
   return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
 
 
-def value_and_grad(q, k, v, kw: dict, impl: str):
+def value_and_grad(q, k, v, kw: dict, impl: str, block: int = BLOCK):
   """``((loss, (out, max_logits)), (dq, dk, dv))`` of a fixed weighted sum of the output."""
   kw = dict(kw)
   causal = kw.pop("causal", False)
-  return _run(q, k, v, kw, impl=impl, causal=causal)
+  return _run(q, k, v, kw, impl=impl, causal=causal, block=block)
 
 
-def assert_matches_dense(q, k, v, kw: dict, impl: str) -> None:
+def assert_matches_dense(q, k, v, kw: dict, impl: str, block: int = BLOCK) -> None:
   """Outputs, gradients of q, k, v and maxima equal ``impl="dense"``'s.
 
   float32: 1e-5. bfloat16: outputs and gradients to a few bf16 roundings (both round
   the probabilities to bf16 before ``P V``, at different points); the maxima are float32
   products of the same bf16 inputs, so 1e-5 still.
   """
-  (_, (out, m)), grads = value_and_grad(q, k, v, kw, impl)
+  (_, (out, m)), grads = value_and_grad(q, k, v, kw, impl, block)
   (_, (out_d, m_d)), grads_d = value_and_grad(q, k, v, kw, "dense")
   tol = 1e-5 if q.dtype == jnp.float32 else 2e-2
   assert out.dtype == out_d.dtype and m.dtype == jnp.float32 and m.shape == (q.shape[2],)

@@ -29,6 +29,12 @@ def test_matches_dense(kind, tq, tk):
   cases.assert_matches_dense(q, k, v, cases.masks(kind, tq, tk), "pallas")
 
 
+def test_default_tiles_match_dense():
+  """block_size 512 (the modules' default): forward tiles of 64, backward tiles of 32."""
+  q, k, v = cases.qkv(70, h=2, hkv=1, d=16, dv=8, seed=7)
+  cases.assert_matches_dense(q, k, v, cases.masks("padding", 70, 70), "pallas", block=512)
+
+
 def test_mha_equal_widths_matches_dense():
   q, k, v = cases.qkv(21, h=2, hkv=2, d=16, dv=16)
   cases.assert_matches_dense(q, k, v, cases.masks("none", 21, 21), "pallas")

@@ -42,7 +42,8 @@ from jax.experimental.pallas import triton as plgpu
 from ._attention import _check_and_prepare, _pad_axis
 
 _MIN_TILE = 16  # Triton's smallest dot operand dimension
-_MAX_TILE = 64  # default cap: 64 x 64 tiles with widths up to 256 fit a GPU's shared memory
+_MAX_TILE = 64  # forward cap: 64 x 64 tiles with widths up to 256 fit a GPU's shared memory
+_MAX_BWD_TILE = 32  # backward cap: two float32 accumulators per program (as JAX's own kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,8 +322,11 @@ def _flash_bwd(cfg, res, cts):
   """``dV = P^T dO``, ``dS = P * (dO V^T - D)``, ``dQ = c dS K``, ``dK = c dS^T Q``.
 
   ``D_i = sum_d dO_id O_id``. The row-maximum output is a capture: its cotangent is
-  ignored (the modules use it under ``stop_gradient``).
+  ignored (the modules use it under ``stop_gradient``). Tiles are at most 32 (they divide
+  the forward's power-of-two tiles, so the padded lengths still split evenly); these
+  sizes are not tuned on a GPU.
   """
+  cfg = dataclasses.replace(cfg, bq=min(cfg.bq, _MAX_BWD_TILE), bk=min(cfg.bk, _MAX_BWD_TILE))
   q, k, v, aux, out, lse = res
   d_out = cts[0]
   b, tq, h, _ = q.shape
@@ -378,7 +382,8 @@ def pallas_attention(
 
   Args:
     block_size: cap on the query and key tiles: the tile is the largest power of two
-      ``<= min(block_size, 64)``, at least 16, and no longer than the padded sequence.
+      ``<= min(block_size, 64)`` (32 in the backward kernels), at least 16, and no longer
+      than the sequence rounded up to a power of two.
     interpret: run the kernels in Pallas interpret mode; ``None``: unless on a GPU.
     (the others as in ``dense_attention``)
   """
