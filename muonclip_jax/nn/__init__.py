@@ -9,7 +9,8 @@ Each module's ``layout`` property is the ``MLALayout``/``GQALayout`` for ``qk_cl
 The pure functions ``attention``, ``dense_attention``, ``chunked_attention``,
 ``pallas_attention`` (fused Pallas kernel) and ``dpa_max_attention``
 (``jax.nn.dot_product_attention`` plus a max-only pass) return ``(out, max_logits)``;
-``apply_rope``/``rope_frequencies``/``YarnScaling`` are the rotary embeddings. Logical axis names: "embed", "q_lora", "kv_lora", "heads", "kv_heads", "norm".
+``apply_rope``/``rope_frequencies``/``YarnScaling`` are the rotary embeddings. Logical axis
+names: "embed", "q_lora", "kv_lora", "heads", "kv_heads", "norm".
 """
 
 from ._attention import ATTENTION_IMPLS as ATTENTION_IMPLS

@@ -42,8 +42,8 @@ from jax.experimental.pallas import triton as plgpu
 from ._attention import _check_and_prepare, _pad_axis
 
 _MIN_TILE = 16  # Triton's smallest dot operand dimension
-_MAX_TILE = 64  # forward cap: 64 x 64 tiles with widths up to 256 fit a GPU's shared memory
-_MAX_BWD_TILE = 32  # backward cap: two float32 accumulators per program (as JAX's own kernel)
+_MAX_TILE = 64  # forward tile cap (not tuned on a GPU: none was available)
+_MAX_BWD_TILE = 32  # backward tile cap: two float32 accumulators per program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +79,10 @@ def _tile(block_size: int, length: int) -> int:
 
 
 def _dot(a, b, contract=(1, 1)):
-  """``a @ b^T`` (default) or ``a^T @ b`` (``contract=(0, 0)``) with float32 accumulation.
+  """``a b^T`` (``contract=(1, 1)``), ``a b`` (``(1, 0)``) or ``a^T b`` (``(0, 0)``) in float32.
 
-  Float32 inputs ask for IEEE products (Triton would use TF32 by default).
+  ``contract`` names the contracted dimension of ``a`` and of ``b``. Float32 inputs ask
+  for IEEE products (Triton would use TF32 by default).
   """
   precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
   return lax.dot_general(
