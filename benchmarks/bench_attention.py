@@ -1,15 +1,26 @@
-"""Benchmark: cost of max-logit capture, and dense vs chunked attention (time and memory).
+"""Benchmark: cost of max-logit capture, dense vs chunked, and the accelerator kernels.
 
-Two tables, for ``MultiHeadLatentAttention`` (MLA) and ``GroupedQueryAttention`` (GQA):
+Tables 1-2 are for ``MultiHeadLatentAttention`` (MLA) and ``GroupedQueryAttention`` (GQA):
 
 1. Capture overhead: jitted forward+backward (``value_and_grad`` over the parameters) with
    the ``intermediates`` collection mutable (the maxima are returned, so XLA cannot drop
-   them) vs not mutable, for both attention implementations. Goal: <= 3%. Wall-clock
+   them) vs not mutable, for ``dense``, ``chunked`` and ``dpa_max`` (for which "off" is
+   plain ``jax.nn.dot_product_attention``, so the row is the max-only pass's overhead;
+   ``pallas`` is left out: on a CPU it runs in interpret mode). Goal: <= 3%. Wall-clock
    differences of a few percent are within noise on a shared CPU, so the table also gives
    the deterministic extra work from XLA's cost analysis of the compiled programs.
 2. Dense vs chunked at several sequence lengths: forward+backward time with capture on,
    and the compiled temporary memory (``compiled.memory_analysis().temp_size_in_bytes``,
    XLA's peak scratch) next to the size of one float32 ``(B, H, T, T)`` logit matrix.
+3. Accelerator section (only when JAX sees a GPU; on other backends it prints that it
+   was skipped): the pure attention functions, forward+backward, bfloat16, causal, batch
+   1, at 4096 and 8192 tokens, for MLA-shaped (16 heads, q/k width 192, v width 128) and
+   GQA-shaped (32 query heads, 8 key/value heads, width 128) attention. Contenders: the
+   fused Pallas kernel with and without capture (target overhead <= 3%); plain
+   ``jax.nn.dot_product_attention(implementation="cudnn")`` without capture (for MLA the
+   values are zero-padded to width 192, which cuDNN's JAX API needs; target: Pallas with
+   capture at >= 0.67 of its speed); ``dpa_max`` with capture (its overhead over plain
+   cuDNN); the library's ``chunked`` path with capture.
 
 Timing: each contender is compiled and warmed up first; then the contenders of a row are
 run alternately ``--repeats`` times and the median wall-clock time is reported (with the
@@ -18,6 +29,10 @@ min-max range), so that load drifts hit all of them alike. CPU by default.
 Run (about 5 minutes on 2 CPU cores):
 
   PYTHONPATH=. .venv/bin/python benchmarks/bench_attention.py
+
+On a GPU, the accelerator section alone:
+
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_attention.py --skip-overhead --skip-memory
 """
 
 from __future__ import annotations
@@ -87,7 +102,7 @@ def capture_overhead(args) -> None:
   print("| module | impl | capture off | capture on | overhead (medians) | overhead (minima) "
         "| extra XLA flops | extra XLA bytes accessed |")
   print("|---|---|---|---|---|---|---|---|")
-  for impl in ("dense", "chunked"):
+  for impl in args.overhead_impls:
     for name, module in _modules(args, impl).items():
       params, x = _inputs(module, args.batch, args.overhead_seq, args.dim)
       fns = {"off": _step(module, False), "on": _step(module, True)}
@@ -133,6 +148,81 @@ def dense_vs_chunked(args) -> None:
             f"{diff:.1e} |", flush=True)
 
 
+ACCELERATOR_SHAPES = {  # name: (query heads, key/value heads, q/k width, v width)
+    "MLA": (16, 16, 192, 128),
+    "GQA": (32, 8, 128, 128),
+}
+
+
+def _attention_step(impl: str, capture: bool, causal: bool = True, block_size: int = 512):
+  """jit(q, k, v) -> ((loss, maxima or 0), (dq, dk, dv)) through ``mnn.attention``."""
+
+  def loss(q, k, v):
+    out, m = mnn.attention(q, k, v, softmax_scale=q.shape[-1] ** -0.5, impl=impl,
+                           block_size=block_size, causal=causal, return_max_logits=capture)
+    return jnp.mean(out.astype(jnp.float32) ** 2), (m if capture else jnp.zeros(()))
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+def _cudnn_step():
+  """Plain ``jax.nn.dot_product_attention`` on cuDNN, no capture (v padded to q/k width)."""
+
+  def loss(q, k, v):
+    dv = v.shape[-1]
+    v_pad = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - dv)])
+    out = jax.nn.dot_product_attention(q, k, v_pad, scale=q.shape[-1] ** -0.5, is_causal=True,
+                                       implementation="cudnn")[..., :dv]
+    return jnp.mean(out.astype(jnp.float32) ** 2), jnp.zeros(())
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+def accelerator(args) -> None:
+  backend = jax.default_backend()
+  if backend != "gpu":
+    print(f"\n## Accelerator section: SKIPPED (backend {backend!r}; it needs a GPU). "
+          "No Pallas/cuDNN figures were measured.")
+    return
+  print(f"\n## Accelerator: forward+backward, bf16, causal, batch 1, median of "
+        f"{args.accelerator_repeats} (min-max), ms, on {jax.devices()[0].device_kind}\n")
+  print("| shape | seq | pallas+capture | pallas | capture overhead | cuDNN (no capture) "
+        "| pallas+capture speed / cuDNN | dpa_max+capture | dpa_max overhead over cuDNN "
+        "| chunked+capture |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
+  for seq in args.accelerator_seq_lens:
+    for name, (h, hkv, d, dv) in ACCELERATOR_SHAPES.items():
+      rng = np.random.default_rng(0)
+      q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+                 for s in ((1, seq, h, d), (1, seq, hkv, d), (1, seq, hkv, dv)))
+      fns = {
+          "pallas_on": _attention_step("pallas", True),
+          "pallas_off": _attention_step("pallas", False),
+          "cudnn": _cudnn_step(),
+          "dpa_max_on": _attention_step("dpa_max", True),
+          "chunked_on": _attention_step("chunked", True, block_size=args.block_size),
+      }
+      for key in list(fns):  # a contender that does not compile is reported, not fatal
+        try:
+          jax.block_until_ready(fns[key](q, k, v))
+        except Exception as e:  # noqa: BLE001 (any compile/runtime failure of one contender)
+          print(f"<!-- {name} {seq} {key}: {type(e).__name__}: {str(e)[:200]} -->")
+          del fns[key]
+      times = _time_alternating(fns, (q, k, v), args.accelerator_repeats)
+      med = {key: statistics.median(ts) for key, ts in times.items()}
+      cell = lambda key: _fmt(times[key]) if key in times else "n/a"
+      ratio = lambda a, b, f: f(med[a], med[b]) if a in med and b in med else "n/a"
+      print(
+          f"| {name} | {seq} | {cell('pallas_on')} | {cell('pallas_off')} | "
+          f"{ratio('pallas_on', 'pallas_off', lambda a, b: f'{100 * (a / b - 1):+.1f}%')} | "
+          f"{cell('cudnn')} | {ratio('cudnn', 'pallas_on', lambda a, b: f'{a / b:.2f}')} | "
+          f"{cell('dpa_max_on')} | "
+          f"{ratio('dpa_max_on', 'cudnn', lambda a, b: f'{100 * (a / b - 1):+.1f}%')} | "
+          f"{cell('chunked_on')} |",
+          flush=True,
+      )
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -145,8 +235,13 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--overhead-seq", type=int, default=1024)
   parser.add_argument("--overhead-repeats", type=int, default=31)
+  parser.add_argument("--overhead-impls", nargs="+", default=["dense", "chunked", "dpa_max"],
+                      choices=[i for i in mnn.ATTENTION_IMPLS if i != "pallas"])
   parser.add_argument("--skip-overhead", action="store_true")
   parser.add_argument("--skip-memory", action="store_true")
+  parser.add_argument("--skip-accelerator", action="store_true")
+  parser.add_argument("--accelerator-seq-lens", type=int, nargs="+", default=[4096, 8192])
+  parser.add_argument("--accelerator-repeats", type=int, default=20)
   args = parser.parse_args()
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
   start = time.perf_counter()
@@ -154,6 +249,8 @@ def main() -> None:
     capture_overhead(args)
   if not args.skip_memory:
     dense_vs_chunked(args)
+  if not args.skip_accelerator:
+    accelerator(args)
   print(f"\ntotal {time.perf_counter() - start:.0f} s")
 
 

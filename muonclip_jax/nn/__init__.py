@@ -6,9 +6,11 @@ Linen: ``MultiHeadLatentAttention`` (DeepSeek-V3 MLA) and ``GroupedQueryAttentio
 ``GroupedQueryAttentionNNX``, captured with ``nnx.capture(model, nnx.Intermediate)``.
 Each module's ``layout`` property is the ``MLALayout``/``GQALayout`` for ``qk_clip``.
 
-The pure functions ``attention``, ``dense_attention`` and ``chunked_attention`` return
-``(out, max_logits)``; ``apply_rope``/``rope_frequencies``/``YarnScaling`` are the rotary
-embeddings (``rope_interleave=True``: DeepSeek-V3's interleaved pairs).
+The pure functions ``attention``, ``dense_attention``, ``chunked_attention``,
+``pallas_attention`` (fused Pallas kernel) and ``dpa_max_attention``
+(``jax.nn.dot_product_attention`` plus a max-only pass) return ``(out, max_logits)``;
+``apply_rope``/``rope_frequencies``/``YarnScaling`` are the rotary embeddings
+(``rope_interleave=True``: DeepSeek-V3's interleaved pairs).
 ``mla_from_hf_config``/``mla_nnx_from_hf_config`` build MLA from a Hugging Face
 DeepSeek-V3 / Kimi K2 ``config.json`` dict and ``load_hf_mla_params`` converts its
 attention weights (safetensors, optional extra ``hf``). Logical axis names: "embed",
@@ -22,7 +24,9 @@ from ._attention import dense_attention as dense_attention
 from ._deepseek import load_hf_mla_params as load_hf_mla_params
 from ._deepseek import mla_from_hf_config as mla_from_hf_config
 from ._deepseek import mla_nnx_from_hf_config as mla_nnx_from_hf_config
+from ._flash_pallas import pallas_attention as pallas_attention
 from ._gqa import GroupedQueryAttention as GroupedQueryAttention
+from ._max_pass import dpa_max_attention as dpa_max_attention
 from ._mla import MultiHeadLatentAttention as MultiHeadLatentAttention
 from ._nnx import GroupedQueryAttentionNNX as GroupedQueryAttentionNNX
 from ._nnx import MultiHeadLatentAttentionNNX as MultiHeadLatentAttentionNNX

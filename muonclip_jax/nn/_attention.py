@@ -16,6 +16,10 @@ the exact number that enters the softmax. Two implementations share one contract
   reduction of ``m`` over batch and queries; no second pass over ``Q K^T``. (The
   log-sum-exp is not the max: ``max <= LSE <= max + log Tk``.)
 
+Accelerator implementations with the same contract live in their own modules:
+``_flash_pallas`` (a fused Pallas kernel) and ``_max_pass`` (``jax.nn.dot_product_attention``
+plus a max-only pass); ``attention(impl=...)`` chooses among all four.
+
 Grouped-query attention: ``q`` has ``H`` heads, ``k``/``v`` have ``Hkv`` heads with
 ``H % Hkv == 0``; query head ``h`` reads key/value head ``g(h) = h // (H // Hkv)``.
 Multi-head latent attention passes its per-head keys with ``Hkv == H``.
@@ -42,8 +46,8 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-AttentionImpl = Literal["dense", "chunked"]
-ATTENTION_IMPLS: tuple[str, ...] = ("dense", "chunked")
+AttentionImpl = Literal["dense", "chunked", "pallas", "dpa_max"]
+ATTENTION_IMPLS: tuple[str, ...] = ("dense", "chunked", "pallas", "dpa_max")
 
 
 class _QuerySide(NamedTuple):
@@ -304,15 +308,21 @@ def _flash_bwd(cfg, res, cts):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
+  """Zero-pads (``False`` for booleans) ``axis`` of ``x`` at the end to length ``size``."""
+  pad = size - x.shape[axis]
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths)
+
+
 def _to_blocks(x: jax.Array | None, axis: int, nb: int, block: int) -> jax.Array | None:
   """Pads ``axis`` of ``x`` to ``nb * block`` and moves the block index to the front."""
   if x is None:
     return None
-  pad = nb * block - x.shape[axis]
-  if pad:
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    x = jnp.pad(x, widths)  # zeros / False; padded keys are masked by position
+  x = _pad_axis(x, axis, nb * block)  # padded keys are masked by position
   axis = axis % x.ndim
   x = x.reshape(x.shape[:axis] + (nb, block) + x.shape[axis + 1 :])
   return jnp.moveaxis(x, axis, 0)
@@ -392,9 +402,18 @@ def attention(
     kv_mask: jax.Array | None = None,
     return_max_logits: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
-  """Dispatches to ``dense_attention`` (``impl="dense"``) or ``chunked_attention``.
+  """Dispatches on ``impl``, the one place that chooses an implementation.
 
-  ``block_size`` is used by ``"chunked"`` only. See ``dense_attention`` for the rest.
+  * ``"dense"``: ``dense_attention``, the materialized reference.
+  * ``"chunked"``: ``chunked_attention``, online softmax in ``lax.scan`` (key blocks of
+    ``block_size``).
+  * ``"pallas"``: ``pallas_attention``, the fused Pallas flash kernel (Triton on GPU,
+    interpret mode elsewhere); tiles of ``min(block_size, 64)`` rounded down to a power of
+    two. Does not take the explicit ``mask`` (``ValueError``).
+  * ``"dpa_max"``: ``dpa_max_attention``, ``jax.nn.dot_product_attention`` (cuDNN where
+    it applies) plus a max-only pass over key blocks of ``block_size``.
+
+  See ``dense_attention`` for the arguments and outputs, which all four share.
   """
   kwargs = dict(
       softmax_scale=softmax_scale, causal=causal, mask=mask, q_segment_ids=q_segment_ids,
@@ -405,4 +424,13 @@ def attention(
     return dense_attention(q, k, v, **kwargs)
   if impl == "chunked":
     return chunked_attention(q, k, v, block_size=block_size, **kwargs)
+  # Imported here: both modules build on this one's helpers.
+  if impl == "pallas":
+    from ._flash_pallas import pallas_attention
+
+    return pallas_attention(q, k, v, block_size=block_size, **kwargs)
+  if impl == "dpa_max":
+    from ._max_pass import dpa_max_attention
+
+    return dpa_max_attention(q, k, v, block_size=block_size, **kwargs)
   raise ValueError(f"attention: impl must be one of {ATTENTION_IMPLS}, got {impl!r}")

@@ -77,8 +77,9 @@ class GroupedQueryAttention(nn.Module):
     rope_theta: RoPE base.
     yarn: optional ``YarnScaling`` (frequencies and softmax scale times ``mscale^2``).
     causal: causal self-attention (default True).
-    attention_impl: ``"dense"`` or ``"chunked"``.
-    block_size: key block length of ``"chunked"``.
+    attention_impl: one of ``ATTENTION_IMPLS``: ``"dense"``, ``"chunked"``, ``"pallas"``,
+      ``"dpa_max"`` (see ``attention``).
+    block_size: key block length of ``"chunked"`` and ``"dpa_max"``; caps ``"pallas"`` tiles.
     clip_mode: ``GQALayout.clip_mode`` reported by ``layout`` (``"split"`` or ``"query"``).
     dtype: computation dtype (``None``: inferred).
     param_dtype: parameter dtype.

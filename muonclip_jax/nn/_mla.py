@@ -182,8 +182,9 @@ class MultiHeadLatentAttention(nn.Module):
       reference and Hugging Face's ``rope_interleave``) instead of ``(i, i + dr/2)``;
       checkpoints of DeepSeek-V3 / Kimi K2 then load without permuting columns.
     causal: causal self-attention (default True).
-    attention_impl: ``"dense"`` (materialized logits) or ``"chunked"`` (online softmax).
-    block_size: key block length of ``"chunked"``.
+    attention_impl: ``"dense"`` (materialized logits), ``"chunked"`` (online softmax),
+      ``"pallas"`` (fused Pallas kernel) or ``"dpa_max"`` (see ``attention``).
+    block_size: key block length of ``"chunked"`` and ``"dpa_max"``; caps ``"pallas"`` tiles.
     norm_epsilon: RMSNorm epsilon of ``q_norm`` and ``kv_norm``.
     dtype: computation dtype (``None``: inferred from inputs and params).
     param_dtype: parameter dtype.
