@@ -15,6 +15,7 @@ from ._attention import ATTENTION_IMPLS as ATTENTION_IMPLS
 from ._attention import attention as attention
 from ._attention import chunked_attention as chunked_attention
 from ._attention import dense_attention as dense_attention
+from ._flax_attention import dot_product_attention as dot_product_attention
 from ._gqa import GroupedQueryAttention as GroupedQueryAttention
 from ._mla import MultiHeadLatentAttention as MultiHeadLatentAttention
 from ._nnx import GroupedQueryAttentionNNX as GroupedQueryAttentionNNX
