@@ -236,8 +236,8 @@ def detect(
       if not on_stack:
         raise ValueError(
             f"{caller}: {_join(module, name + '/kernel')} has shape {kernel}; expected "
-            f"{_expected(parts, stack)}, whose leading (stacked-layer) shape {stack} is that "
-            f"of {_join(module, 'max_logits')}"
+            f"{_expected(parts, stack)} ({_describe(parts)}), whose leading (stacked-layer) "
+            f"shape {stack} is that of {_join(module, 'max_logits')}"
         )
       kernel_fits = on_stack
     both = [(f, s) for f, s in kernel_fits if _fits(f, parts, kernel, bias) is not None]

@@ -378,3 +378,159 @@ def test_optimizers_on_every_form(model):
   mean = jax.tree.map(lambda a, b: (jnp.cos(3 * b) + jnp.sin(b)) / 2, grads, params)
   u, _ = sgd.update(mean, sgd.init(params), params, max_logits=ml)
   chex.assert_trees_all_close(p, optax.apply_updates(params, u), rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _dg_attn(*, heads=2, head_dim=4, d_in=8, stack=(), key_stack=None, bias=True):
+  rng = np.random.default_rng(0)
+  f32 = lambda *s: rng.normal(size=s).astype(np.float32)
+  proj = lambda st: {"kernel": f32(*st, d_in, heads, head_dim), **({"bias": f32(*st, heads, head_dim)} if bias else {})}
+  return {"attn": {"query": proj(stack), "key": proj(stack if key_stack is None else key_stack)}}
+
+
+def _ml(*shape, value=9.0):
+  return {"attn": {"max_logits": np.full(shape, value, np.float32)}}
+
+
+def test_no_form_fits_names_path_shape_and_forms():
+  params = _dg_attn()
+  lay = GQALayout(4, 4, 2, query="query", key="key")
+  with pytest.raises(ValueError, match=r"attn/query/kernel has shape \(8, 2, 4\).*fits no kernel form.*"
+                     r"tried \('in', 8\) \(2-D head-major\) or \('in', 4, 2\) \(DenseGeneral\)"):
+    qk_clip(params, _ml(4), threshold=3.0, layout=lay)
+  with pytest.raises(ValueError, match=r"init_max_logits: attn/query/kernel has shape \(8, 2, 4\).*"
+                     r"\(\*stack, 'in', 4, 2\) \(DenseGeneral\)"):
+    mc.init_max_logits(params, lay)
+  # the key head count is wrong: (in, 2, 4) is 2 key heads, the layout says 1
+  with pytest.raises(ValueError, match=r"attn/key/kernel has shape \(8, 2, 4\).*key: 1 heads of 4"):
+    qk_clip(params, _ml(2), threshold=3.0, layout=GQALayout(2, 1, 4, query="query", key="key"))
+  fused = {"attn": {"c_attn": {"kernel": np.ones((8, 3, 4, 2), np.float32)}}}
+  with pytest.raises(ValueError, match=r"attn/c_attn/kernel has shape \(8, 3, 4, 2\).*needs num_kv_heads == num_heads"):
+    qk_clip(fused, _ml(4), threshold=3.0, layout=GQALayout(4, 2, 2, qkv="c_attn"))
+  with pytest.raises(ValueError, match=r"attn/c_attn/kernel has shape \(8, 3, 4, 2\); expected \(2, 'in', 24\) "
+                     r"\(fused 2-D q\|k\|v\) or \(2, 'in', 3, 4, 2\)"):
+    qk_clip(fused, _ml(2, 4), threshold=3.0, layout=GQALayout(4, 4, 2, qkv="c_attn"))
+
+
+def test_two_forms_fit_unless_maxima_or_bias_tell():
+  """One head and no bias: (8, 1, 4) is DenseGeneral (in=8), or 2-D (in=1) stacked over 8 layers."""
+  lay = GQALayout(1, 1, 4, query="query", key="key")
+  params = _dg_attn(heads=1, bias=False)
+  with pytest.raises(ValueError, match=r"attn/query/kernel has shape \(8, 1, 4\), which fits two kernel forms.*"
+                     r"2-D head-major with stacked-layer shape \(8,\) and DenseGeneral with stacked-layer shape \(\)"):
+    mc.init_max_logits(params, lay)
+  chex.assert_shape(mc.init_max_logits(_dg_attn(heads=1), lay)["attn"]["max_logits"], (1,))  # the bias tells
+  out = qk_clip(params, _ml(1), threshold=3.0, layout=lay)  # max_logits (1,): no stack, DenseGeneral
+  np.testing.assert_allclose(out["attn"]["query"]["kernel"], params["attn"]["query"]["kernel"] * np.sqrt(3 / 9), rtol=1e-6)
+
+
+def test_bias_and_stack_mismatches():
+  lay = GQALayout(2, 2, 4, query="query", key="key")
+  params = _dg_attn()
+  params["attn"]["key"]["bias"] = np.ones(8, np.float32)
+  with pytest.raises(ValueError, match=r"attn/key/bias has shape \(8,\); expected \(2, 4\) for the DenseGeneral "
+                     r"kernel attn/key/kernel of shape \(8, 2, 4\)"):
+    qk_clip(params, _ml(2), threshold=3.0, layout=lay)
+  with pytest.raises(ValueError, match=r"projections of 'attn' disagree on their leading \(stacked-layer\) shape.*"
+                     r"'attn/query/kernel': \[\(2,\)\], 'attn/key/kernel': \[\(3,\)\]"):
+    mc.init_max_logits(_dg_attn(stack=(2,), key_stack=(3,)), lay)
+  with pytest.raises(ValueError, match=r"attn/key/kernel has shape \(3, 8, 2, 4\); expected \(2, 'in', 8\) .*"
+                     r"\(stacked-layer\) shape \(2,\) is that of attn/max_logits"):
+    qk_clip(_dg_attn(stack=(2,), key_stack=(3,)), _ml(2, 2), threshold=3.0, layout=lay)
+
+
+def test_projection_names_are_checked():
+  params = _dg_attn()
+  with pytest.raises(ValueError, match=r"module 'attn' has no 'attn/q_proj/kernel' for GQALayout \(expected "
+                     r"projections \['q_proj', 'k_proj'\].*\['key/bias', 'key/kernel', 'query/bias', 'query/kernel'\]"):
+    qk_clip(params, _ml(2), threshold=3.0, layout=GQALayout(2, 2, 4, query="q_proj", key="k_proj"))
+  with pytest.raises(ValueError, match="no attention module"):
+    mc.init_max_logits(params, GQALayout(2, 2, 4))  # wq/wk by default
+  for bad in ({"query": ""}, {"query": "a/b"}, {"key": 3}, {"qkv": ""}, {"query": "x", "key": "x"}):
+    with pytest.raises(ValueError, match="GQALayout: (query|key|qkv)"):
+      GQALayout(2, 2, 4, **bad)
+  GQALayout(2, 2, 4, query="x", key="x", qkv="c_attn")  # fused: query/key are not used
+  with pytest.raises(ValueError, match="MLALayout: query and key_value must differ"):
+    MLALayout(2, 2, 2, 2, query="wkv_b")
+  with pytest.raises(ValueError, match="MLALayout: key_value"):
+    MLALayout(2, 2, 2, 2, key_value=None)
+  with pytest.raises(TypeError):
+    GQALayout(2, 2, 4, "split", "q_proj")  # names are keyword-only
+
+
+# ----------------------------------------------------------------------------- issue 12: strict inputs
+
+
+def _library_mla(**kw):
+  import muonclip_jax.nn as mnn
+
+  module = mnn.MultiHeadLatentAttention(num_heads=4, q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=8,
+                                        qk_rope_head_dim=8, v_head_dim=8, **kw)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 3, 16)), jnp.float32)
+  variables = module.init(jax.random.key(0), x)
+  return module, variables, module.apply(variables, x, mutable=["intermediates"])
+
+
+def test_mla_layout_with_the_right_totals_but_the_wrong_split_is_detected():
+  module, variables, (_, state) = _library_mla()
+  params = {"attn": variables["params"]}
+  ml = {"attn": state["intermediates"]}
+  wrong = MLALayout(4, 12, 4, 4)  # same column totals as (4, 8, 8, 8)
+  pattern = (r"attn/wkv_a/kernel has shape \(16, 14\), i\.e\. a latent of 6 columns .* rotary key of 8 "
+             r"columns, but the layout says qk_rope_head_dim=4.*module\.layout")
+  with pytest.raises(ValueError, match="qk_clip: " + pattern):
+    qk_clip(params, ml, threshold=0.01, layout=wrong)
+  with pytest.raises(ValueError, match="init_max_logits: " + pattern):
+    mc.init_max_logits(params, wrong)
+  qk_clip(params, ml, threshold=0.01, layout=module.layout)  # the module's own layout is right
+  # DenseGeneral MLA kernels (MaxText) carry the per-head width: (4, 9, 3, 3) has other widths.
+  rng = np.random.default_rng(0)
+  dg = {"attn": {"wq_b": {"kernel": rng.normal(size=(8, 4, 16))}, "wkv_b": {"kernel": rng.normal(size=(6, 4, 16))}}}
+  with pytest.raises(ValueError, match=r"attn/wq_b/kernel has shape \(8, 4, 16\).*fits no kernel form"):
+    qk_clip(dg, _ml(4), threshold=3.0, layout=MLALayout(4, 9, 3, 3))
+
+
+def test_variables_dict_as_params_says_what_was_expected():
+  _, variables, (_, state) = _library_mla()
+  lay = MLALayout(4, 8, 8, 8)
+  expected = r"top-level 'params' key.*pass the 'params' collection \(variables\['params'\]\)"
+  with pytest.raises(ValueError, match="qk_clip: params has a " + expected):
+    qk_clip(variables, state, threshold=0.01, layout=lay)
+  with pytest.raises(ValueError, match="init_max_logits: params has a " + expected):
+    mc.init_max_logits(variables, lay)
+  with pytest.raises(ValueError, match=expected):
+    mc.multi_steps(mc.muonclip(0.1, layout=lay), 2, layout=lay).init(variables)
+  opt = mc.muonclip(0.1, layout=lay)
+  grads = jax.tree.map(jnp.zeros_like, variables)
+  with pytest.raises(ValueError, match=expected):
+    opt.update(grads, opt.init(variables), variables, max_logits=state)
+
+
+def test_apply_output_pair_as_max_logits_says_what_was_expected():
+  _, variables, out = _library_mla()
+  lay = MLALayout(4, 8, 8, 8)
+  params = variables["params"]
+  expected = r"max_logits is a tuple of length 2; element 1 holds the maxima\. Expected the 'intermediates'.*not the \(y, state\) pair"
+  with pytest.raises(TypeError, match="qk_clip: " + expected):
+    qk_clip(params, out, threshold=0.01, layout=lay)
+  with pytest.raises(TypeError, match="qk_clip_stats: " + expected):
+    mc.qk_clip_stats(out, threshold=0.01)
+  opt = mc.muonclip(0.1, layout=lay)
+  grads = jax.tree.map(jnp.zeros_like, params)
+  with pytest.raises(TypeError, match=expected):
+    opt.update(grads, opt.init(params), params, max_logits=out)
+  acc = mc.multi_steps(opt, 2, layout=lay)
+  with pytest.raises(TypeError, match=expected):
+    acc.update(grads, acc.init(params), params, max_logits=out)
+  # the pair's second element is what was expected
+  chex.assert_trees_all_equal(qk_clip(params, out[1], threshold=0.01, layout=lay),
+                              qk_clip(params, out[1]["intermediates"], threshold=0.01, layout=lay))
+  # nnx.capture's (y, intermediates) pair
+  model = _NNXModel(nnx.Rngs(0))
+  pair = (jnp.zeros(()), nnx.State({"l0": {"max_logits": nnx.Intermediate(jnp.ones(2))}}))
+  with pytest.raises(TypeError, match="element 1 holds the maxima"):
+    qk_clip(nnx.state(model, nnx.Param), pair, threshold=3.0, layout=FLAX_LAYOUT)
+  with pytest.raises(ValueError, match=r"max_logits leaf at 'state/intermediates/max_logits' lies under an 'intermediates' key"):
+    qk_clip(params, {"state": out[1]}, threshold=0.01, layout=lay)
