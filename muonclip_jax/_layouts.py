@@ -110,6 +110,12 @@ class GQALayout:
   ``(in, 3, num_heads, head_dim)`` (only when ``num_kv_heads == num_heads``), bias
   ``(3, num_heads, head_dim)``. Its value columns are never touched.
 
+  The library's ``GroupedQueryAttention`` reports its own layout as ``module.layout``. For
+  other models, separate query and key kernels fix ``head_dim`` and ``num_kv_heads`` once the
+  maxima fix ``num_heads``, so a wrong layout fails with a ValueError; a fused 2-D kernel
+  fixes only ``(num_heads + 2 * num_kv_heads) * head_dim``, so check those two fields
+  against the model's configuration.
+
   Attributes:
     num_heads: number of query heads.
     num_kv_heads: number of key/value heads; divides ``num_heads``.

@@ -177,11 +177,16 @@ def _expected(parts: Sequence[Part], stack: Shape | None) -> str:
 
 
 def _head_hint(parts: Sequence[Part], kernel: Shape) -> str:
-  """Why a 2-D kernel of one part does not fit: its head count or width, read from its columns."""
-  if len(parts) != 1 or not kernel:
+  """Why a kernel of one part does not fit: its head count or width, read from its shape."""
+  if len(parts) != 1 or len(kernel) < 2:
     return ""
   _, h, w = parts[0]
   cols = kernel[-1]
+  if len(kernel) >= 3:
+    return (
+        f", i.e. {kernel[-2]} heads of {cols} columns as DenseGeneral (or {cols} columns as "
+        f"2-D head-major), but expected {h} heads of {w} columns"
+    )
   if cols % w:
     return f": {cols} columns are not a multiple of the per-head width {w}"
   return f", i.e. {cols // w} heads of {w} columns, but expected {h} heads ({h * w} columns)"
@@ -228,7 +233,7 @@ def detect(
     if not kernel_fits:
       raise ValueError(
           f"{caller}: {_join(module, name + '/kernel')} has shape {kernel}"
-          f"{_head_hint(parts, kernel) if len(kernel) >= 2 else ''}; it fits no kernel form of "
+          f"{_head_hint(parts, kernel)}; it fits no kernel form of "
           f"{lay} ({_describe(parts)}): tried {_expected(parts, stack)}"
       )
     if stack is not None:

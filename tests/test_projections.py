@@ -397,7 +397,8 @@ def _ml(*shape, value=9.0):
 def test_no_form_fits_names_path_shape_and_forms():
   params = _dg_attn()
   lay = GQALayout(4, 4, 2, query="query", key="key")
-  with pytest.raises(ValueError, match=r"attn/query/kernel has shape \(8, 2, 4\).*fits no kernel form.*"
+  with pytest.raises(ValueError, match=r"attn/query/kernel has shape \(8, 2, 4\), i\.e\. 2 heads of 4 columns as DenseGeneral "
+                     r"\(or 4 columns as 2-D head-major\), but expected 4 heads of 2 columns; it fits no kernel form.*"
                      r"tried \('in', 8\) \(2-D head-major\) or \('in', 4, 2\) \(DenseGeneral\)"):
     qk_clip(params, _ml(4), threshold=3.0, layout=lay)
   with pytest.raises(ValueError, match=r"init_max_logits: attn/query/kernel has shape \(8, 2, 4\).*"
