@@ -70,7 +70,7 @@ class GPT2(nn.Module):
   def __call__(self, tokens):
     cfg = self.cfg
     wte = nn.Embed(cfg.vocab, cfg.dim, name="wte")
-    x = wte(tokens) + nn.Embed(cfg.seq_len, cfg.dim, name="wpe")(jnp.arange(tokens.shape[-1]))
+    x = wte(tokens) + nn.Embed(cfg.seq_len, cfg.dim, name="wpe")(jnp.arange(tokens.shape[-1]))[None]
     for i in range(cfg.num_layers):
       x = Block(cfg, self.attention_fn, name=f"h_{i}")(x)
     return wte.attend(nn.LayerNorm(name="ln_f")(x))
@@ -103,7 +103,7 @@ def batches(cfg: Config, batch_size: int, seed: int = 0):
   while True:
     key, sub = jax.random.split(key)
     start = jax.random.randint(sub, (batch_size, 1), 0, cfg.vocab)
-    yield (start + jnp.arange(cfg.seq_len + 1)) % cfg.vocab
+    yield (start + jnp.arange(cfg.seq_len + 1)[None, :]) % cfg.vocab
 
 
 def main(argv=None):

@@ -74,7 +74,7 @@ class GPT(nn.Module):
   def __call__(self, tokens):
     cfg = self.cfg
     x = nn.Embed(cfg.vocab, cfg.dim, name="embed")(tokens)
-    x = x + nn.Embed(cfg.seq_len, cfg.dim, name="pos_embed")(jnp.arange(tokens.shape[-1]))
+    x = x + nn.Embed(cfg.seq_len, cfg.dim, name="pos_embed")(jnp.arange(tokens.shape[-1]))[None]
     if cfg.scan:
       stack = nn.scan(Block, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
                       length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
@@ -114,7 +114,7 @@ def batches(cfg: Config, batch_size: int, seed: int = 0):
   while True:
     key, sub = jax.random.split(key)
     start = jax.random.randint(sub, (batch_size, 1), 0, cfg.vocab)
-    yield (start + jnp.arange(cfg.seq_len + 1)) % cfg.vocab
+    yield (start + jnp.arange(cfg.seq_len + 1)[None, :]) % cfg.vocab
 
 
 def main(argv=None):

@@ -111,7 +111,7 @@ def batches(cfg: Config, batch_size: int, seed: int = 0):
   while True:
     key, sub = jax.random.split(key)
     start = jax.random.randint(sub, (batch_size, 1), 0, cfg.vocab)
-    yield (start + jnp.arange(cfg.seq_len + 1)) % cfg.vocab
+    yield (start + jnp.arange(cfg.seq_len + 1)[None, :]) % cfg.vocab
 
 
 def main(argv=None):

@@ -60,7 +60,7 @@ class GPT(nnx.Module):
     self.lm_head = nnx.Linear(cfg.dim, cfg.vocab, rngs=rngs)
 
   def __call__(self, tokens):
-    x = self.embed(tokens) + self.pos_embed(jnp.arange(tokens.shape[-1]))
+    x = self.embed(tokens) + self.pos_embed(jnp.arange(tokens.shape[-1]))[None]
     for block in self.blocks:
       x = block(x)
     return self.lm_head(self.ln_f(x))
@@ -91,7 +91,7 @@ def batches(cfg: Config, batch_size: int, seed: int = 0):
   while True:
     key, sub = jax.random.split(key)
     start = jax.random.randint(sub, (batch_size, 1), 0, cfg.vocab)
-    yield (start + jnp.arange(cfg.seq_len + 1)) % cfg.vocab
+    yield (start + jnp.arange(cfg.seq_len + 1)[None, :]) % cfg.vocab
 
 
 def main(argv=None):
