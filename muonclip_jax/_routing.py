@@ -168,6 +168,22 @@ def axes_from_names(path: str, shape: tuple[int, ...], names: tuple) -> MatrixAx
   return MatrixAxes(tuple(rest[:splits[0]]), tuple(rest[splits[0]:]))
 
 
+def logical_matrix_axes(params: Any) -> Any:
+  """A ``matrix_axes`` pytree read from the logical axis names of boxed ``params``.
+
+  Each boxed leaf with names (``nn.Partitioned``, NNX variables with ``out_sharding``)
+  becomes ``axes_from_names``'s ``MatrixAxes``; every other leaf None. For optimizers that
+  see bare arrays, e.g. ``nnx.Optimizer``:
+  ``matrix_axes=logical_matrix_axes(nnx.state(model, nnx.Param))``.
+  """
+
+  def axes(p, x):
+    names = logical_names(x) if _is_box(x) else None
+    return None if names is None else axes_from_names(path_str(p), _shape(x), names)
+
+  return jax.tree_util.tree_map_with_path(axes, params, is_leaf=_is_box)
+
+
 def _undeclared(path: str, shape: tuple[int, ...]) -> ValueError:
   """The error for a leaf of rank other than 2 whose matrix nobody declared."""
   hints = ["pass matrix_axes=MatrixAxes(fan_in=..., fan_out=...) for it (or an "

@@ -120,6 +120,15 @@ def test_nnx_sharding_metadata_is_read():
   state = nnx.state(lin, nnx.Param)
   lookup = matrix_axes_lookup(None, state)
   assert lookup("kernel", (16, 4, 8)) == mc.MatrixAxes((0,), (1, 2))
+  # nnx.Optimizer hands optax bare arrays: the names travel through matrix_axes
+  axes = mc.logical_matrix_axes(state)
+  bare = nnx.to_pure_dict(state)
+  assert matrix_axes_lookup(axes, bare)("kernel", (16, 4, 8)) == mc.MatrixAxes((0,), (1, 2))
+  g = {"kernel": jnp.cos(jnp.arange(16 * 32, dtype=jnp.float32).reshape(16, 4, 8))}
+  want, _ = mc.scale_by_muon(matrix_axes=mc.MatrixAxes((0,), (1, 2))).update(g, mc.scale_by_muon(
+      matrix_axes=mc.MatrixAxes((0,), (1, 2))).init(g))
+  opt = mc.scale_by_muon(matrix_axes={"kernel": axes["kernel"]})
+  chex.assert_trees_all_equal(opt.update(g, opt.init(g))[0], want)
 
 
 def test_undeclared_rank3_gives_both_hints():

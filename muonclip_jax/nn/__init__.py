@@ -8,7 +8,9 @@ Each module's ``layout`` property is the ``MLALayout``/``GQALayout`` for ``qk_cl
 
 The pure functions ``attention``, ``dense_attention`` and ``chunked_attention`` return
 ``(out, max_logits)``; ``apply_rope``/``rope_frequencies``/``YarnScaling`` are the rotary
-embeddings. Logical axis names: "embed", "q_lora", "kv_lora", "heads", "kv_heads", "norm".
+embeddings. ``dot_product_attention`` is a drop-in ``attention_fn`` for Flax's
+``nn.MultiHeadDotProductAttention``/``nnx.MultiHeadAttention`` that sows the same
+``max_logits``. Logical axis names: "embed", "q_lora", "kv_lora", "heads", "kv_heads", "norm".
 """
 
 from ._attention import ATTENTION_IMPLS as ATTENTION_IMPLS
