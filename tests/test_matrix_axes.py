@@ -169,3 +169,21 @@ def test_attention_matrix_axes_for_every_form():
                  "out": {"kernel": mc.MatrixAxes((-3, -2), (-1,))}}
   with pytest.raises(TypeError, match="expected a GQALayout or MLALayout"):
     mc.attention_matrix_axes("query")
+
+
+def test_readme_optax_equivalent_matches_optax_muon_on_muon_leaves():
+  """README "Switching from optax.contrib.muon": the Muon half of optax's defaults."""
+  rng = np.random.default_rng(7)
+  params = {"w": jnp.asarray(rng.standard_normal((32, 48)), jnp.float32),
+            "heads": jnp.asarray(rng.standard_normal((16, 4, 8)), jnp.float32)}
+  dims = {"w": MDN(), "heads": MDN(0, (1, 2))}
+  grads = jax.tree.map(lambda x: jnp.cos(3 * x), params)
+  theirs = optax.contrib.muon(1e-2, weight_decay=0.05, muon_weight_dimension_numbers=dims)
+  ours = mc.muon_adamw(1e-2, weight_decay=0.05, adam_weight_decay=0.0, adam_b2=0.999, ns_coeffs="muon", ns_steps=5,
+                       ns_method="standard", ns_normalize="frobenius", eps=1e-8, rms_match="keller", matrix_axes=dims,
+                       labels=lambda p: jax.tree.map(lambda x: "muon" if x.ndim >= 2 else "adam", p))
+  s_theirs, s_ours = theirs.init(params), ours.init(params)
+  for _ in range(2):
+    u_theirs, s_theirs = theirs.update(grads, s_theirs, params)
+    u_ours, s_ours = ours.update(grads, s_ours, params)
+    chex.assert_trees_all_close(u_ours, u_theirs, rtol=2e-5, atol=1e-7)
