@@ -230,3 +230,23 @@ def test_recipe_runs(module, capsys):
   module.main(["--steps", "1"])
   assert "step   0  loss" in capsys.readouterr().out
 
+
+
+def _zeros_params(model, tokens):
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens)["params"])
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def test_recipes_bad_inputs_name_path_shape_and_expectation():
+  tokens = jnp.zeros((2, 8), jnp.int32)
+  llama = recipe_llama_gqa.Config()
+  params = _zeros_params(recipe_llama_gqa.Llama(llama), tokens)
+  maxima = {f"layers_{i}": {"self_attn": {"max_logits": jnp.ones(4)}} for i in range(2)}
+  with pytest.raises(ValueError, match=r"layers_0/self_attn.*wq/kernel.*q_proj/kernel"):  # layout without names
+    mc.qk_clip(params, maxima, threshold=0.5, layout=mc.GQALayout(4, 2, 8))
+  with pytest.raises(ValueError, match=r"k_proj/kernel has shape \(32, 16\).*expected 4 heads"):  # wrong kv heads
+    mc.qk_clip(params, maxima, threshold=0.5, layout=mc.GQALayout(4, 4, 8, query="q_proj", key="k_proj"))
+  gpt = recipe_linen_gpt.Config()
+  params = _zeros_params(recipe_linen_gpt.GPT(gpt), tokens)
+  with pytest.raises(ValueError, match=r"block_0/attn/key/kernel: .*shape \(32, 4, 8\).*DenseGeneral"):
+    mc.muon_adamw(1e-3).init(params)  # DenseGeneral kernels without matrix_axes
