@@ -70,7 +70,9 @@ def multi_steps(
     if max_logits is None:
       updates, inner_state = inner.update(updates, state.inner, params, **extra_args)
       return updates, MultiStepsMaxLogitsState(inner_state, state.max_logits)
-    running = merge_max_logits(collect_max_logits(state.max_logits), collect_max_logits(max_logits))
+    running = merge_max_logits(
+        collect_max_logits(state.max_logits, "multi_steps"), collect_max_logits(max_logits, "multi_steps")
+    )
     updates, inner_state = inner.update(
         updates, state.inner, params, max_logits=nest_max_logits(running), **extra_args
     )

@@ -1,13 +1,21 @@
 """Head layouts of attention projections, shared by QK-Clip and the attention modules.
 
-A layout says how the columns of the query/key projection kernels split into heads.
-It follows DeepSeek-V3's names and head-major column order (see ``qk_clip``).
+A layout says how many heads an attention module has, how wide each head's query/key
+columns are, and under which names its query/key projections live. Its head-major column
+order follows DeepSeek-V3's names (see ``qk_clip``); which kernel forms a projection may
+take (2-D, DenseGeneral, fused QKV) is the concern of ``_projections``.
+
+The library's attention modules report their own layout as ``module.layout``: that is the
+recommended source of a layout, since two layouts with equal column totals (e.g.
+``MLALayout(4, 12, 4, 4)`` and ``MLALayout(4, 8, 8, 8)``) fit the same 2-D kernels.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import fnmatch
+from collections.abc import Mapping
+from typing import Any, Literal
 
 
 def _check_positive_int(name: str, value: object, *, allow_zero: bool = False) -> None:
@@ -17,27 +25,54 @@ def _check_positive_int(name: str, value: object, *, allow_zero: bool = False) -
     raise ValueError(f"{name} must be an int {bound}, got {value!r}")
 
 
+def _check_name(owner: str, field: str, value: object, *, optional: bool = False) -> None:
+  """A projection name: one non-empty path component (a sub-module name such as ``q_proj``)."""
+  if optional and value is None:
+    return
+  if not isinstance(value, str) or not value or "/" in value:
+    what = "None or " if optional else ""
+    raise ValueError(
+        f"{owner}: {field} must be {what}a projection (sub-module) name such as 'q_proj', "
+        f"a non-empty str without '/', got {value!r}"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class MLALayout:
   """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2).
 
-  Query kernel (``wq_b`` or ``wq``): ``(q_in, num_heads * (qk_nope_head_dim + qk_rope_head_dim))``,
-  each head's columns its nope part (q^C) then its rope part (q^R).
-  Key/value kernel ``wkv_b``: ``(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))``,
-  each head's columns k_nope (k^C) then v. The rotary key k^R comes from ``wkv_a`` and is
-  shared by all heads.
+  Query projection (``wq_b``, or ``wq`` without query LoRA): ``num_heads`` heads of
+  ``qk_nope_head_dim + qk_rope_head_dim`` columns each, its nope part (q^C) then its rope
+  part (q^R). Key/value projection ``wkv_b``: ``num_heads`` heads of
+  ``qk_nope_head_dim + v_head_dim`` columns, k_nope (k^C) then v. The rotary key k^R comes
+  from ``wkv_a`` and is shared by all heads. Kernels may be 2-D head-major
+  ``(in, heads * width)`` or DenseGeneral ``(in, heads, width)`` (MaxText), with optional
+  leading stacked-layer axes.
+
+  Prefer ``module.layout`` of the library's attention modules to writing a layout by hand:
+  2-D kernels fix only the column totals, so a layout with the right totals but the wrong
+  split between nope, rope and v widths cannot always be told from the shapes. ``qk_clip``
+  checks what the shapes do fix: DenseGeneral kernels carry the per-head width, and where
+  the module has a ``wkv_a`` kernel its columns minus the latent width (``wkv_b``'s input
+  size) are the rotary width ``qk_rope_head_dim``.
 
   Attributes:
     num_heads: number of attention heads.
     qk_nope_head_dim: per-head width of the non-rotary query/key part.
     qk_rope_head_dim: per-head width of the rotary query part (and of the shared rotary key).
     v_head_dim: per-head value width.
+    query: name of the query projection under the attention module; ``None`` (default)
+      means ``wq_b``, or ``wq`` in a module without query LoRA.
+    key_value: name of the key/value up-projection (default ``wkv_b``).
   """
 
   num_heads: int
   qk_nope_head_dim: int
   qk_rope_head_dim: int
   v_head_dim: int
+  _: dataclasses.KW_ONLY
+  query: str | None = None
+  key_value: str = "wkv_b"
 
   def __post_init__(self):
     _check_positive_int("num_heads", self.num_heads)
@@ -46,6 +81,10 @@ class MLALayout:
     _check_positive_int("v_head_dim", self.v_head_dim)
     if self.qk_nope_head_dim + self.qk_rope_head_dim == 0:
       raise ValueError("MLALayout: qk_nope_head_dim + qk_rope_head_dim must be >= 1, got 0")
+    _check_name("MLALayout", "query", self.query, optional=True)
+    _check_name("MLALayout", "key_value", self.key_value)
+    if self.query == self.key_value:
+      raise ValueError(f"MLALayout: query and key_value must differ, both are {self.query!r}")
 
   @property
   def qk_head_dim(self) -> int:
@@ -56,8 +95,26 @@ class MLALayout:
 class GQALayout:
   """Grouped-query attention; multi-head attention is ``num_kv_heads == num_heads``.
 
-  Kernels ``wq (d, num_heads * head_dim)`` and ``wk (d, num_kv_heads * head_dim)``,
-  head-major columns. Query head ``h`` reads key head ``h // (num_heads // num_kv_heads)``.
+  Query projection ``wq``: ``num_heads`` heads of ``head_dim`` columns; key projection
+  ``wk``: ``num_kv_heads`` heads. Query head ``h`` reads key head
+  ``h // (num_heads // num_kv_heads)``. Each kernel may be 2-D head-major
+  ``(in, heads * head_dim)``, bias ``(heads * head_dim,)``, or DenseGeneral
+  ``(in, heads, head_dim)``, bias ``(heads, head_dim)`` (Flax's
+  ``MultiHeadDotProductAttention``, ``nnx.MultiHeadAttention``), with optional leading
+  stacked-layer axes (``nn.scan``).
+
+  With ``qkv`` set, one fused projection holds the query, key and value columns, either
+  ``(in, (num_heads + 2 * num_kv_heads) * head_dim)``: all query heads, then the key heads,
+  then the value heads, each head-major (GPT-2's ``c_attn``, ``qkv_proj``/``Wqkv`` of Llama
+  ports), bias ``((num_heads + 2 * num_kv_heads) * head_dim,)``; or
+  ``(in, 3, num_heads, head_dim)`` (only when ``num_kv_heads == num_heads``), bias
+  ``(3, num_heads, head_dim)``. Its value columns are never touched.
+
+  The library's ``GroupedQueryAttention`` reports its own layout as ``module.layout``. For
+  other models, separate query and key kernels fix ``head_dim`` and ``num_kv_heads`` once the
+  maxima fix ``num_heads``, so a wrong layout fails with a ValueError; a fused 2-D kernel
+  fixes only ``(num_heads + 2 * num_kv_heads) * head_dim``, so check those two fields
+  against the model's configuration.
 
   Attributes:
     num_heads: number of query heads.
@@ -70,12 +127,22 @@ class GQALayout:
       shared k^R), so every logit of head h is scaled by exactly gamma_h and no other head
       changes. For MHA both modes bound the logits; ``"split"`` gives the symmetric
       sqrt(gamma) on query and key.
+    query: name of the query projection under the attention module (default ``wq``; Flax's
+      attention modules: ``"query"``; Llama: ``"q_proj"``). Not used when ``qkv`` is set.
+    key: name of the key projection (default ``wk``; ``"key"``, ``"k_proj"``). Not used when
+      ``qkv`` is set.
+    qkv: name of a fused query|key|value projection (``"c_attn"``, ``"qkv_proj"``,
+      ``"Wqkv"``), or ``None`` (default) for separate query and key projections.
   """
 
   num_heads: int
   num_kv_heads: int
   head_dim: int
   clip_mode: Literal["split", "query"] = "split"
+  _: dataclasses.KW_ONLY
+  query: str = "wq"
+  key: str = "wk"
+  qkv: str | None = None
 
   def __post_init__(self):
     _check_positive_int("num_heads", self.num_heads)
@@ -87,6 +154,14 @@ class GQALayout:
       )
     if self.clip_mode not in ("split", "query"):
       raise ValueError(f"GQALayout: clip_mode must be 'split' or 'query', got {self.clip_mode!r}")
+    _check_name("GQALayout", "query", self.query)
+    _check_name("GQALayout", "key", self.key)
+    _check_name("GQALayout", "qkv", self.qkv, optional=True)
+    if self.qkv is None and self.query == self.key:
+      raise ValueError(
+          f"GQALayout: query and key must differ, both are {self.query!r}; for a fused "
+          "query|key|value projection set qkv=<its name>"
+      )
 
   @property
   def group_size(self) -> int:
@@ -94,3 +169,40 @@ class GQALayout:
 
 
 Layout = MLALayout | GQALayout
+
+
+def check_layout(layout: Any, name: str = "qk_clip") -> None:
+  """Raises TypeError unless ``layout`` is a layout or a mapping from patterns to layouts."""
+  if isinstance(layout, Mapping):
+    if not layout:
+      raise ValueError(f"{name}: layout mapping is empty; map module-path patterns to layouts")
+    items = list(layout.items())
+  else:
+    items = [(None, layout)]
+  for pattern, lay in items:
+    if pattern is not None and not isinstance(pattern, str):
+      raise TypeError(f"{name}: layout mapping keys must be str path patterns, got {pattern!r}")
+    if not isinstance(lay, (MLALayout, GQALayout)):
+      raise TypeError(
+          f"{name}: layout must be an MLALayout, a GQALayout or a mapping from path patterns "
+          f"to them, got {type(lay).__name__}: {lay!r}"
+      )
+
+
+def matching_patterns(module: str, layout: Mapping[str, Layout]) -> list[str]:
+  """The glob patterns (``fnmatch``) of a layout mapping that match a module path."""
+  return [pattern for pattern in layout if fnmatch.fnmatchcase(module, pattern)]
+
+
+def layout_for(module: str, layout: Layout | Mapping[str, Layout]) -> Layout:
+  """The layout of one module: the single layout, or the one whose glob pattern matches."""
+  if not isinstance(layout, Mapping):
+    return layout
+  matches = matching_patterns(module, layout)
+  if len(matches) != 1:
+    what = "no pattern" if not matches else f"{len(matches)} patterns {matches}"
+    raise ValueError(
+        f"qk_clip: {what} of the layout mapping match module path {module!r}; "
+        f"exactly one must (patterns: {list(layout)})"
+    )
+  return layout[matches[0]]

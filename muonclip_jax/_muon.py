@@ -206,10 +206,12 @@ def scale_by_muon(
     rms_match: ``"moonlight"`` (``rms_scale * sqrt(max(fan_in, fan_out))``, the default),
       ``"keller"`` (``sqrt(max(1, fan_out / fan_in))``) or ``None`` (no scaling).
     rms_scale: the 0.2 of Moonlight's matching. May be traced.
-    matrix_axes: which axes form each leaf's matrix: ``None`` (2-D leaves only; a leaf of
-      another rank raises ValueError naming its path and shape), one ``MatrixAxes`` for all
-      leaves, a pytree of ``MatrixAxes``/``None`` matched by path, or a callable from the
-      params to such a pytree.
+    matrix_axes: which axes form each leaf's matrix: one ``MatrixAxes`` (or
+      ``optax.contrib.MuonDimensionNumbers``) for all leaves, a pytree of them (``None``
+      leaves) matched by path, or a callable from the params to such a pytree
+      (``attention_matrix_axes(layout)``). A leaf it leaves at ``None`` is read from its
+      logical axis names when boxed, is ``(in, out)`` when 2-D, and else raises ValueError
+      naming its path and shape (see ``matrix_axes_lookup``).
 
     shard_orthogonalization: static. ``None`` (default): each matrix is orthogonalized in
       its parameter's layout, as XLA partitions it (on a mesh every device repeats much of

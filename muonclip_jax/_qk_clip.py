@@ -27,12 +27,12 @@ How gamma_h is split between query and key depends on the head layout:
   is scaled by gamma_h exactly and no other head changes.
 
 A projection bias is part of the projection: its head slice is scaled like the kernel columns.
+Which leaves hold a head's columns (projection names, 2-D / DenseGeneral / fused QKV kernel
+forms) is the layout's business, in ``_projections``; this module computes the factors.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -41,15 +41,17 @@ import jax
 import jax.numpy as jnp
 
 from ._layouts import GQALayout, MLALayout
-from ._paths import key_name as _key_name
+from ._layouts import check_layout as _check_layout
+from ._layouts import layout_for as _layout_for
+from ._layouts import matching_patterns
+from ._max_logits import MAX_LOGITS as _MAX_LOGITS
+from ._max_logits import collect_max_logits as collect_max_logits
+from ._max_logits import nest_max_logits as nest_max_logits
 from ._paths import keystr as _path_str
 from ._paths import strip_value as _strip_value
+from ._projections import detect, missing_projections
 
 _Layout = MLALayout | GQALayout
-_MAX_LOGITS = "max_logits"
-
-
-# ----------------------------------------------------------------------------- paths
 
 
 def _join(module: str, name: str) -> str:
@@ -80,66 +82,25 @@ def _resolve_threshold(threshold: Any) -> jax.Array | None:
   return jnp.asarray(value, jnp.float32)
 
 
-def _check_layout(layout: Any) -> None:
-  layouts = layout.values() if isinstance(layout, Mapping) else [layout]
-  for lay in layouts:
-    if not isinstance(lay, (MLALayout, GQALayout)):
-      raise TypeError(
-          "qk_clip: layout must be an MLALayout, a GQALayout or a mapping from path patterns "
-          f"to them, got {type(lay).__name__}: {lay!r}"
-      )
+def _by_module(flat: list) -> dict[str, dict[str, int]]:
+  """{module path: {"<projection>/<leaf>": index in flat}} for paths ``<module>/<proj>/<leaf>``."""
+  by_module: dict[str, dict[str, int]] = {}
+  for i, (path, _) in enumerate(flat):
+    path = _strip_value(path)
+    if len(path) >= 2:
+      by_module.setdefault(_path_str(path[:-2]), {})[_path_str(path[-2:])] = i
+  return by_module
 
 
-def _layout_for(module: str, layout: _Layout | Mapping[str, _Layout]) -> _Layout:
-  """The layout of one module: the single layout, or the one whose glob pattern matches."""
-  if not isinstance(layout, Mapping):
-    return layout
-  matches = [pattern for pattern in layout if fnmatch.fnmatchcase(module, pattern)]
-  if len(matches) != 1:
-    what = "no pattern" if not matches else f"{len(matches)} patterns {matches}"
+def _check_not_variables(module: str, by_module: Mapping[str, Any], caller: str) -> None:
+  """A missing module found under a top-level ``params`` key: the variables dict was passed."""
+  nested = f"params/{module}" if module else "params"
+  if module not in by_module and nested in by_module:
     raise ValueError(
-        f"qk_clip: {what} of the layout mapping match module path {module!r}; "
-        f"exactly one must (patterns: {list(layout)})"
+        f"{caller}: params has a top-level 'params' key and the attention parameters of "
+        f"{module or '<root>'!r} lie under {nested!r}: pass the 'params' "
+        "collection (variables['params']), not the whole variables dict {'params': ...}"
     )
-  return layout[matches[0]]
-
-
-def _collect_max_logits(max_logits: Any) -> dict[str, jax.Array]:
-  """Finds the ``max_logits`` leaves; returns {module path: per-head maxima (..., H)}.
-
-  Accepts the bare ``intermediates`` collection or ``{"intermediates": ...}``, leaves wrapped
-  in a tuple (Flax's default ``sow``; several entries are merged by maximum) and NNX
-  ``Intermediate`` boxes (trailing ``value`` key).
-  """
-  if isinstance(max_logits, Mapping) and "intermediates" in max_logits:
-    max_logits = max_logits["intermediates"]
-  found: dict[str, list[jax.Array]] = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(max_logits)[0]:
-    names = [_key_name(k) for k in path]
-    if _MAX_LOGITS not in names:
-      continue
-    i = len(names) - 1 - names[::-1].index(_MAX_LOGITS)
-    if any(not (isinstance(n, int) or n == "value") for n in names[i + 1 :]):
-      raise ValueError(
-          f"qk_clip: unexpected structure under {_path_str(path[: i + 1])!r}: {_path_str(path)!r}; "
-          "expected an array, a tuple of arrays or an NNX Intermediate"
-      )
-    found.setdefault(_path_str(path[:i]), []).append(jnp.asarray(leaf))
-  if not found:
-    raise ValueError(
-        "qk_clip: no leaf named 'max_logits' in max_logits; pass the 'intermediates' collection "
-        "of model.apply(..., mutable=['intermediates'])"
-    )
-  result = {}
-  for module, arrays in found.items():
-    shapes = {a.shape for a in arrays}
-    if len(shapes) != 1 or arrays[0].ndim < 1:
-      raise ValueError(
-          f"qk_clip: {_join(module, _MAX_LOGITS)}: expected shape (..., num_heads), "
-          f"got {[a.shape for a in arrays]}"
-      )
-    result[module] = functools.reduce(jnp.maximum, arrays).astype(jnp.float32)
-  return result
 
 
 # ----------------------------------------------------------------------------- math
@@ -174,96 +135,32 @@ def clip_factors(max_logits: jax.Array, threshold: Any) -> jax.Array:
   return _gamma(s, tau)[1]
 
 
-def _per_column(*parts: tuple[jax.Array, int]) -> jax.Array:
-  """Per-head factors (..., H) repeated over each head's column segments -> (..., H * sum(w))."""
+def _per_head(*parts: tuple[jax.Array, int]) -> jax.Array:
+  """Per-head factors (..., H) repeated over each head's column segments -> (..., H, sum(w))."""
   segments = [jnp.broadcast_to(f[..., None], (*f.shape, w)) for f, w in parts if w]
-  factor = jnp.concatenate(segments, axis=-1)
-  return factor.reshape(*factor.shape[:-2], -1)
+  return jnp.concatenate(segments, axis=-1)
 
 
-def _scale(x: jax.Array, factor: jax.Array) -> jax.Array:
-  """x * factor in (at least) float32, cast back to x's dtype. Elementwise, so it keeps sharding."""
-  dtype = jnp.result_type(x)
-  compute = jnp.promote_types(dtype, jnp.float32)
-  return (x.astype(compute) * factor.astype(compute)).astype(dtype)
-
-
-# ----------------------------------------------------------------------------- modules
-
-
-def _column_factors(
-    module: str, s: jax.Array, tau: jax.Array, lay: _Layout, shapes: Mapping[str, tuple]
-) -> dict[str, jax.Array]:
-  """Checks one module's shapes; returns {param name: per-column factor (*stack, cols)}."""
-  stack, heads = s.shape[:-1], s.shape[-1]
-  if heads != lay.num_heads:
-    raise ValueError(
-        f"qk_clip: {_join(module, _MAX_LOGITS)} has shape {s.shape} ({heads} heads), "
-        f"but the layout says num_heads={lay.num_heads}: {lay}"
-    )
-
-  def require(name: str) -> None:
-    if f"{name}/kernel" not in shapes:
-      raise ValueError(
-          f"qk_clip: {_join(module, _MAX_LOGITS)} has no matching attention parameter "
-          f"{_join(module, name + '/kernel')!r} for {type(lay).__name__}; parameters under "
-          f"{module or '<root>'!r}: {sorted(shapes)}"
-      )
-
-  def check(name: str, num: int, width: int) -> None:
-    cols = num * width
-    for leaf, tail in (("kernel", ("in", cols)), ("bias", (cols,))):
-      shape = shapes.get(f"{name}/{leaf}")
-      if shape is None:
-        continue
-      path = _join(module, f"{name}/{leaf}")
-      if len(shape) != len(stack) + len(tail) or tuple(shape[: len(stack)]) != stack:
-        raise ValueError(
-            f"qk_clip: {path} has shape {shape}; expected {(*stack, *tail)}, whose leading "
-            f"(stacked-layer) shape {stack} is that of max_logits {s.shape}"
-        )
-      if shape[-1] % width:
-        raise ValueError(
-            f"qk_clip: {path} has shape {shape}: {shape[-1]} columns are not a multiple of the "
-            f"per-head width {width} of {lay}"
-        )
-      if shape[-1] != cols:
-        raise ValueError(
-            f"qk_clip: {path} has shape {shape}, i.e. {shape[-1] // width} heads of {width} "
-            f"columns, but expected {num} heads ({cols} columns) from {lay} and max_logits "
-            f"shape {s.shape}"
-        )
-
+def _role_factors(s: jax.Array, tau: jax.Array, lay: _Layout) -> dict[str, jax.Array]:
+  """{role: factor (*stack, heads, width)} per head and column of each scaled projection role."""
   gamma = _gamma(s, tau)[1]
   root = jnp.sqrt(gamma)
   if isinstance(lay, MLALayout):
-    if "wq/kernel" in shapes and "wq_b/kernel" in shapes:
-      raise ValueError(
-          f"qk_clip: {module or '<root>'!r} has both wq/kernel and wq_b/kernel; an MLA module "
-          "has one query projection (wq_b with query LoRA, wq without)"
-      )
-    q = "wq_b" if "wq_b/kernel" in shapes else "wq"
-    require(q)
-    require("wkv_b")
     nope, rope, v = lay.qk_nope_head_dim, lay.qk_rope_head_dim, lay.v_head_dim
-    check(q, heads, nope + rope)
-    check("wkv_b", heads, nope + v)
-    factors = {q: _per_column((root, nope), (gamma, rope))}
+    factors = {"query": _per_head((root, nope), (gamma, rope))}
     if nope:  # k^C by sqrt(gamma); v is untouched
-      factors["wkv_b"] = _per_column((root, nope), (jnp.ones_like(gamma), v))
+      factors["key_value"] = _per_head((root, nope), (jnp.ones_like(gamma), v))
     return factors
-
-  require("wq")
-  require("wk")
-  check("wq", heads, lay.head_dim)
-  check("wk", lay.num_kv_heads, lay.head_dim)
   if lay.clip_mode == "query":
-    return {"wq": _per_column((gamma, lay.head_dim))}
-  group_min = gamma.reshape(*stack, lay.num_kv_heads, lay.group_size).min(axis=-1)
+    return {"query": _per_head((gamma, lay.head_dim))}
+  group_min = gamma.reshape(*s.shape[:-1], lay.num_kv_heads, lay.group_size).min(axis=-1)
   return {
-      "wq": _per_column((root, lay.head_dim)),
-      "wk": _per_column((jnp.sqrt(group_min), lay.head_dim)),
+      "query": _per_head((root, lay.head_dim)),
+      "key": _per_head((jnp.sqrt(group_min), lay.head_dim)),
   }
+
+
+# ----------------------------------------------------------------------------- modules
 
 
 def qk_clip(params: Any, max_logits: Any, *, threshold: Any, layout: Any) -> Any:
@@ -275,61 +172,74 @@ def qk_clip(params: Any, max_logits: Any, *, threshold: Any, layout: Any) -> Any
   are scaled as described in this module's docstring (MLA: q^C, k^C by sqrt(gamma_h), q^R by
   gamma_h; GQA "split": q by sqrt(gamma_h), shared k by sqrt(min of its group); GQA "query":
   q by gamma_h). Heads with S_max^h <= tau, or with a non-finite or non-positive S_max^h, are
-  left bit-for-bit as they are. ``wkv_a``, ``wv``, ``wo`` and all other leaves are untouched.
+  left bit-for-bit as they are, and so are value columns (of ``wkv_b`` or of a fused QKV
+  kernel), ``wkv_a``, the value and output projections and all other leaves.
 
   Pure and jit-friendly: shape checks only at trace time, no host sync, no branching on
-  values. Each scaled leaf is multiplied elementwise by a per-column factor built from the
-  small maxima (in float32 or wider, cast back), so dtypes and shardings are kept and a
-  head-sharded kernel is scaled in place without gathering it.
+  values. Each scaled leaf is multiplied elementwise by a factor built from the small maxima
+  (in float32 or wider, cast back), so dtypes and shardings are kept and a head-sharded
+  kernel is scaled in place without gathering it.
 
   Args:
-    params: a Flax ``params`` collection: plain arrays, boxed leaves (``nn.Partitioned``) or an
-      ``nnx.State``. Kernels are ``(*stack, in, cols)`` with head-major columns (see
-      ``MLALayout`` / ``GQALayout``); ``*stack`` are optional leading stacked-layer axes
-      (``nn.scan``).
-    max_logits: the ``intermediates`` collection (or ``{"intermediates": ...}``) in which each
-      attention module has a leaf ``max_logits`` of shape ``(*stack, num_heads)``, matched to
-      the parameters at the same module path (``<path>/wq/kernel``, ...).
+    params: a Flax ``params`` collection (not the variables dict ``{"params": ...}``): plain
+      arrays, boxed leaves (``nn.Partitioned``) or an ``nnx.State``. The projections named by
+      the layout sit under each attention module's path (``<path>/wq/kernel``,
+      ``<path>/query/kernel``, ``<path>/c_attn/kernel``, ...), each kernel in one of the
+      forms 2-D head-major ``(*stack, in, heads * width)``, DenseGeneral
+      ``(*stack, in, heads, width)`` or, for ``GQALayout(qkv=...)``, fused
+      ``(*stack, in, (H + 2 Hkv) * head_dim)`` / ``(*stack, in, 3, H, head_dim)``; a bias
+      has the kernel's shape without ``in``. ``*stack`` are optional leading stacked-layer
+      axes (``nn.scan``); the form is detected per projection from the layout and the shape.
+    max_logits: the ``intermediates`` collection (or ``{"intermediates": ...}``; not the
+      ``(y, state)`` pair of ``apply``) in which each attention module has a leaf
+      ``max_logits`` of shape ``(*stack, num_heads)``, matched to the parameters at the same
+      module path.
     threshold: tau > 0 (Kimi K2 uses 100). None or +inf: no clip, ``params`` is returned as
       is and ``max_logits`` is not read. May be a traced scalar (not validated then; a NaN,
       infinite or non-positive traced tau clips nothing).
     layout: one ``MLALayout``/``GQALayout`` for every module, or a mapping from glob patterns
       (``fnmatch``, matched against the module path such as ``"layers/attn"``) to layouts;
-      exactly one pattern must match each module.
+      exactly one pattern must match each module. ``module.layout`` of the library's
+      attention modules is the recommended source.
 
   Returns:
     ``params`` with the same structure, box types, dtypes and shardings.
 
   Raises:
     ValueError: a concrete threshold that is NaN or <= 0; no ``max_logits`` leaf; a module
-      without the expected attention parameters (or with both ``wq`` and ``wq_b`` for MLA);
-      head counts or head widths that disagree with the kernels or the maxima; leading stack
-      shapes that differ; a layout mapping in which zero or several patterns match a module.
-    TypeError: a layout that is not an ``MLALayout``/``GQALayout`` or a mapping of them.
+      without the projections its layout names (or with both ``wq`` and ``wq_b`` for MLA);
+      a kernel that fits no form, or two; head counts or widths that disagree with the
+      kernels or the maxima; leading stack shapes that differ; an MLA ``wkv_a`` whose rotary
+      width disagrees with the layout; a layout mapping in which zero or several patterns
+      match a module; params passed as the variables dict ``{"params": ...}``.
+    TypeError: a layout that is not an ``MLALayout``/``GQALayout`` or a mapping of them;
+      ``max_logits`` given as a tuple (the ``(y, state)`` pair of ``apply``).
   """
   _check_layout(layout)
   tau = _resolve_threshold(threshold)
   if tau is None:
     return params
-  maxima = _collect_max_logits(max_logits)
+  maxima = collect_max_logits(max_logits)
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
   leaves = [leaf for _, leaf in flat]
-  # {module path: {"wq/kernel": leaf index, ...}} from paths <module>/<projection>/<kernel|bias>.
-  by_module: dict[str, dict[str, int]] = {}
-  for i, (path, _) in enumerate(flat):
-    path = _strip_value(path)
-    if len(path) >= 2:
-      by_module.setdefault(_path_str(path[:-2]), {})[_path_str(path[-2:])] = i
+  by_module = _by_module(flat)
   for module, s in maxima.items():
+    _check_not_variables(module, by_module, "qk_clip")
+    lay = _layout_for(module, layout)
+    if s.shape[-1] != lay.num_heads:
+      raise ValueError(
+          f"qk_clip: {_join(module, _MAX_LOGITS)} has shape {s.shape} ({s.shape[-1]} heads), "
+          f"but the layout says num_heads={lay.num_heads}: {lay}"
+      )
     index = by_module.get(module, {})
     shapes = {name: jnp.shape(leaves[i]) for name, i in index.items()}
-    factors = _column_factors(module, s, tau, _layout_for(module, layout), shapes)
-    for name, factor in factors.items():
-      kernel = index[f"{name}/kernel"]
-      leaves[kernel] = _scale(leaves[kernel], factor[..., None, :])
-      bias = index.get(f"{name}/bias")
-      if bias is not None:
-        leaves[bias] = _scale(leaves[bias], factor)
+    factors = _role_factors(s, tau, lay)
+    for proj in detect(module, lay, shapes, stack=s.shape[:-1]):
+      k, b = index[f"{proj.name}/kernel"], index.get(f"{proj.name}/bias")
+      kernel, bias = proj.scale(leaves[k], None if b is None else leaves[b], factors)
+      leaves[k] = kernel
+      if b is not None:
+        leaves[b] = bias
   return treedef.unflatten(leaves)
 
 
@@ -350,7 +260,7 @@ def qk_clip_stats(max_logits: Any, *, threshold: Any) -> dict[str, dict[str, jax
   """
   tau = _resolve_threshold(threshold)
   stats = {}
-  for module, s in _collect_max_logits(max_logits).items():
+  for module, s in collect_max_logits(max_logits, "qk_clip_stats").items():
     if tau is None:
       clipped, gamma = jnp.zeros(s.shape, bool), jnp.ones(s.shape, jnp.float32)
     else:
@@ -365,6 +275,12 @@ def qk_clip_stats(max_logits: Any, *, threshold: Any) -> dict[str, dict[str, jax
   return stats
 
 
+def _layouts_of(module: str, layout: Any) -> list[_Layout]:
+  if not isinstance(layout, Mapping):
+    return [layout]
+  return [layout[p] for p in matching_patterns(module, layout)] or list(layout.values())
+
+
 def init_max_logits(params: Any, layout: Any) -> dict:
   """A ``max_logits`` tree of ``-inf`` for every attention module of ``params``.
 
@@ -372,40 +288,43 @@ def init_max_logits(params: Any, layout: Any) -> dict:
   sow (``{"layers": {"attn": {"max_logits": (*stack, num_heads)}}}``), so that a running
   maximum over several forward passes (gradient accumulation) can live in a fixed-shape
   optimizer state. A module is an attention module when it has the query/key projections
-  of its layout (MLA: ``wq_b`` or ``wq``, and ``wkv_b``; GQA: ``wq`` and ``wk``).
+  its layout names (MLA: ``query`` or ``wq_b``/``wq``, and ``key_value``; GQA: ``query`` and
+  ``key``, or ``qkv``); the stacked-layer shape ``*stack`` is read off their kernels, in any
+  form ``qk_clip`` accepts (the projections of a module must agree on it).
+
+  Raises:
+    ValueError: no attention module; a module whose kernels fit no form or two, or disagree
+      on the stacked-layer shape; a layout mapping in which zero or several patterns match
+      an attention module; params passed as the variables dict ``{"params": ...}``.
+    TypeError: a layout that is not an ``MLALayout``/``GQALayout`` or a mapping of them.
   """
-  _check_layout(layout)
-  by_module: dict[str, dict[str, tuple]] = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    path = _strip_value(path)
-    if len(path) >= 2:
-      by_module.setdefault(_path_str(path[:-2]), {})[_path_str(path[-2:])] = jnp.shape(leaf)
+  _check_layout(layout, "init_max_logits")
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  by_module = {
+      module: {name: jnp.shape(flat[i][1]) for name, i in index.items()}
+      for module, index in _by_module(flat).items()
+  }
   tree: dict[str, jax.Array] = {}
   for module, shapes in by_module.items():
-    q = "wq_b/kernel" if "wq_b/kernel" in shapes else "wq/kernel"
-    is_mla = q in shapes and "wkv_b/kernel" in shapes
-    is_gqa = "wq/kernel" in shapes and "wk/kernel" in shapes
-    if not (is_mla or is_gqa):
+    looks = lambda lay: not missing_projections(module, lay, shapes, "init_max_logits")
+    if not any(looks(lay) for lay in _layouts_of(module, layout)):
       continue
     lay = _layout_for(module, layout)
-    if (is_mla if isinstance(lay, MLALayout) else is_gqa):
-      tree[module] = jnp.full((*shapes[q][:-2], lay.num_heads), -jnp.inf, jnp.float32)
+    if looks(lay):
+      stack = detect(module, lay, shapes, caller="init_max_logits")[0].stack
+      tree[module] = jnp.full((*stack, lay.num_heads), -jnp.inf, jnp.float32)
+  if isinstance(params, Mapping) and "params" in params and all(
+      m == "params" or m.startswith("params/") for m in tree
+  ):
+    raise ValueError(
+        "init_max_logits: params has a top-level 'params' key"
+        + (f" and the attention modules {sorted(tree)} lie under it" if tree else "")
+        + ": pass the 'params' collection (variables['params']), not the whole variables "
+        "dict {'params': ...}"
+    )
   if not tree:
-    raise ValueError(f"init_max_logits: no attention module for layout {layout!r} in params")
+    raise ValueError(
+        f"init_max_logits: no attention module for layout {layout!r} in params (a module "
+        "with the query/key projections the layout names)"
+    )
   return nest_max_logits(tree)
-
-
-def nest_max_logits(flat: Mapping[str, jax.Array]) -> dict:
-  """``{"a/b": x}`` -> ``{"a": {"b": {"max_logits": x}}}``, the shape of ``intermediates``."""
-  tree: dict = {}
-  for module, value in flat.items():
-    node = tree
-    for part in module.split("/") if module else []:
-      node = node.setdefault(part, {})
-    node[_MAX_LOGITS] = value
-  return tree
-
-
-def collect_max_logits(max_logits: Any) -> dict[str, jax.Array]:
-  """``{module path: float32 maxima (*stack, H)}`` of an ``intermediates``-like tree."""
-  return _collect_max_logits(max_logits)

@@ -8,11 +8,16 @@ vectors go to AdamW. Decisions depend on paths and shapes only, never on values.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from flax.core import meta as flax_meta
 
 from ._paths import path_str
 
@@ -69,40 +74,162 @@ class MatrixAxes:
 
 MatrixAxesSpec = MatrixAxes | Any | Callable[[Any], Any] | None
 
+# Logical axis names (Flax's nn.with_logical_partitioning, NNX sharding metadata).
+LAYERS = "layers"  # a stack of layers (nn.scan with metadata_params={nn.PARTITION_NAME: "layers"})
+VOCAB = "vocab"  # an embedding table or output head: AdamW
+# Names of axes that belong to the heads of an attention projection; they stay together.
+_HEAD_AXIS_NAMES = frozenset({"heads", "q_heads", "kv_heads", "kv", "head_dim", "qk_head_dim", "v_head_dim",
+                              "kv_head_dim"})
+
+
+def _is_dim_numbers(x: Any) -> bool:
+  return isinstance(x, optax.contrib.MuonDimensionNumbers)
+
+
+def _is_spec_leaf(x: Any) -> bool:
+  return x is None or isinstance(x, MatrixAxes) or _is_dim_numbers(x)
+
+
+def as_matrix_axes(spec: Any, where: str = "matrix_axes") -> MatrixAxes | None:
+  """A ``MatrixAxes`` from itself, ``optax.contrib.MuonDimensionNumbers`` or None.
+
+  ``MuonDimensionNumbers(reduction_axis, output_axis)`` is ``MatrixAxes(fan_in=reduction_axis,
+  fan_out=output_axis)``: the reduction axes are the matrix's rows, every other axis is batched.
+  """
+  if spec is None or isinstance(spec, MatrixAxes):
+    return spec
+  if _is_dim_numbers(spec):
+    as_tuple = lambda a: (a,) if isinstance(a, int) else tuple(a)  # noqa: E731
+    return MatrixAxes(as_tuple(spec.reduction_axis), as_tuple(spec.output_axis))
+  raise ValueError(f"{where}: expected a MatrixAxes, an optax.contrib.MuonDimensionNumbers or None, got {spec!r}")
+
+
+def _is_box(x: Any) -> bool:
+  """A leaf that carries metadata: Linen ``nn.Partitioned``-style boxes, NNX variables."""
+  return isinstance(x, (flax_meta.AxisMetadata, nnx.Variable))
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+  """The shape of a leaf or of the one array in a box."""
+  leaves = jax.tree.leaves(x) if _is_box(x) else [x]
+  return tuple(jnp.shape(leaves[0])) if len(leaves) == 1 else ()
+
+
+def logical_names(leaf: Any) -> tuple | None:
+  """The logical axis names of a boxed leaf (``nn.Partitioned.names``, NNX ``out_sharding``)."""
+  if isinstance(leaf, flax_meta.Partitioned):
+    return tuple(leaf.names)
+  if isinstance(leaf, nnx.Variable):
+    meta = leaf.get_metadata()
+    for key in ("out_sharding", "sharding_names", "sharding"):
+      names = meta.get(key)
+      if names is not None:
+        return tuple(names)
+  return None
+
+
+def _names_by_path(tree: Any) -> dict[str, tuple]:
+  """``{path: logical names}`` of the boxed leaves of ``tree``."""
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]
+  table = {}
+  for p, leaf in flat:
+    names = logical_names(leaf) if _is_box(leaf) else None
+    if names is not None:
+      table[path_str(p)] = names
+  return table
+
+
+def axes_from_names(path: str, shape: tuple[int, ...], names: tuple) -> MatrixAxes:
+  """The matrix of a leaf from its logical axis names.
+
+  Rule: axes named ``"layers"`` are batch axes (a stack of layers). Of the others, in order,
+  the first group is the fan-in and the rest the fan-out: with two axes each is one group;
+  with more, the head axes (``heads``, ``q_heads``, ``kv_heads``, ``kv``, ``head_dim``, ...)
+  form one group and the remaining axes the other, e.g. a DenseGeneral query kernel
+  ``("embed", "heads", "kv")`` is one ``embed x heads*kv`` matrix and an output projection
+  ``("heads", "kv", "embed")`` one ``heads*kv x embed`` matrix. Names that fit neither raise
+  ValueError naming the path, shape and names.
+  """
+  if len(names) != len(shape):
+    raise ValueError(f"{path}: logical axis names {names} do not match the shape {shape}")
+  rest = [a for a, n in enumerate(names) if n != LAYERS]
+  fail = (f"{path}: cannot tell the matrix of a parameter of shape {shape} from its logical axis names "
+          f"{names}: expected two non-'{LAYERS}' axes, or a group of head axes {sorted(_HEAD_AXIS_NAMES)} "
+          "before or after the other axes; pass matrix_axes=MatrixAxes(fan_in=..., fan_out=...) for it")
+  if len(rest) < 2 or any(names[a] is None for a in rest):
+    raise ValueError(fail)
+  if len(rest) == 2:
+    return MatrixAxes((rest[0],), (rest[1],))
+  is_head = [names[a] in _HEAD_AXIS_NAMES for a in rest]
+  splits = [i for i in range(1, len(rest))
+            if len(set(is_head[:i])) == 1 and len(set(is_head[i:])) == 1 and is_head[0] != is_head[i]]
+  if len(splits) != 1:
+    raise ValueError(fail)
+  return MatrixAxes(tuple(rest[:splits[0]]), tuple(rest[splits[0]:]))
+
+
+def logical_matrix_axes(params: Any) -> Any:
+  """A ``matrix_axes`` pytree read from the logical axis names of boxed ``params``.
+
+  Each boxed leaf with names (``nn.Partitioned``, NNX variables with ``out_sharding``)
+  becomes ``axes_from_names``'s ``MatrixAxes``; every other leaf None. For optimizers that
+  see bare arrays, e.g. ``nnx.Optimizer``:
+  ``matrix_axes=logical_matrix_axes(nnx.state(model, nnx.Param))``.
+  """
+
+  def axes(p, x):
+    names = logical_names(x) if _is_box(x) else None
+    return None if names is None else axes_from_names(path_str(p), _shape(x), names)
+
+  return jax.tree_util.tree_map_with_path(axes, params, is_leaf=_is_box)
+
+
+def _undeclared(path: str, shape: tuple[int, ...]) -> ValueError:
+  """The error for a leaf of rank other than 2 whose matrix nobody declared."""
+  hints = ["pass matrix_axes=MatrixAxes(fan_in=..., fan_out=...) for it (or an "
+           "optax.contrib.MuonDimensionNumbers), a pytree of them, or route it to AdamW"]
+  if len(shape) >= 3:
+    lead, *mid, last = shape
+    hints.append(f"if it is a stack of {lead} layers (nn.scan) of {'x'.join(map(str, shape[-2:]))} matrices: "
+                 "MatrixAxes((-2,), (-1,)), or name the stacked axis 'layers' "
+                 "(nn.scan(..., metadata_params={nn.PARTITION_NAME: 'layers'}) with logically partitioned kernels)")
+    hints.append(f"if it is one DenseGeneral kernel (in, heads, head_dim): MatrixAxes((0,), {tuple(range(1, len(shape)))}) "
+                 f"is one {lead} x {math.prod(shape[1:])} matrix, and an output projection (heads, head_dim, out) "
+                 f"is MatrixAxes({tuple(range(len(shape) - 1))}, ({len(shape) - 1},)); for the kernels of Flax's "
+                 "attention modules use matrix_axes=muonclip_jax.attention_matrix_axes(layout)")
+  return ValueError(f"{path}: Muon needs to know which axes of a parameter of shape {shape} form its matrix; "
+                    + "; ".join(hints))
+
 
 def matrix_axes_lookup(spec: MatrixAxesSpec, tree: Any) -> Callable[[str, tuple[int, ...]], MatrixAxes]:
   """Turns a ``matrix_axes`` argument into ``(path, shape) -> MatrixAxes``.
 
-  ``spec`` is ``None`` (2-D leaves are ``(in, out)`` matrices; any other rank is ambiguous
-  and raises), one ``MatrixAxes`` for every leaf, a pytree of ``MatrixAxes``/``None`` with
-  the structure of the parameters, or a callable from the parameters to such a pytree.
-  Trees are matched by path, so a sub-tree (as ``optax.partition`` passes) works too.
+  ``spec`` is ``None``, one ``MatrixAxes`` (or ``optax.contrib.MuonDimensionNumbers``) for
+  every leaf, a pytree of them (``None`` leaves) with the structure of the parameters, or a
+  callable from the parameters to such a pytree. Trees are matched by path, so a sub-tree
+  (as ``optax.partition`` passes) works too. A leaf the spec leaves at ``None`` is resolved,
+  in order, from its logical axis names when ``tree`` carries them (``axes_from_names``),
+  as ``(in, out)`` when it is 2-D, else with a ValueError naming its path and shape.
   """
   if callable(spec) and not isinstance(spec, MatrixAxes):
     spec = spec(tree)
-  if spec is None or isinstance(spec, MatrixAxes):
-    table = None
+  if _is_spec_leaf(spec):
+    table, single = None, as_matrix_axes(spec)
   else:
-    leaves = jax.tree_util.tree_flatten_with_path(
-        spec, is_leaf=lambda x: x is None or isinstance(x, MatrixAxes)
-    )[0]
-    table = {}
-    for p, leaf in leaves:
-      if leaf is not None and not isinstance(leaf, MatrixAxes):
-        raise ValueError(f"matrix_axes: leaf at {path_str(p)} must be a MatrixAxes or None, got {leaf!r}")
-      table[path_str(p)] = leaf
+    table, single = {}, None
+    for p, leaf in jax.tree_util.tree_flatten_with_path(spec, is_leaf=_is_spec_leaf)[0]:
+      table[path_str(p)] = as_matrix_axes(leaf, f"matrix_axes: leaf at {path_str(p)}")
+  names = _names_by_path(tree)
 
   def lookup(path: str, shape: tuple[int, ...]) -> MatrixAxes:
-    axes = spec if table is None else table.get(path)
+    axes = single if table is None else table.get(path)
     if axes is not None:
       return axes
+    if path in names and not (len(shape) == 2 and None in names[path]):
+      return axes_from_names(path, shape, names[path])
     if len(shape) == 2:
       return MatrixAxes((0,), (1,))
-    raise ValueError(
-        f"{path}: Muon needs to know which axes of a parameter of shape {shape} form its matrix; "
-        "pass matrix_axes=MatrixAxes(fan_in=..., fan_out=...) (for layers stacked by nn.scan: "
-        "MatrixAxes((-2,), (-1,))), a pytree of them, or route this parameter to AdamW"
-    )
+    raise _undeclared(path, shape)
 
   return lookup
 
@@ -113,23 +240,102 @@ def matrix_dims(axes: MatrixAxes, path: str, shape: tuple[int, ...]) -> tuple[in
   return math.prod(shape[a] for a in fi), math.prod(shape[a] for a in fo)
 
 
-def default_label(path: str, shape: tuple[int, ...]) -> str:
+def default_label(path: str, shape: tuple[int, ...], names: tuple | None = None) -> str:
   """``"muon"`` for a hidden weight matrix, ``"adam"`` for everything else.
 
   AdamW gets: arrays of rank < 2; leaves named ``bias``, ``scale`` or ``embedding``
   (Flax's norm scales, stacked or not, and ``nn.Embed`` tables); anything under a path
-  component containing ``embed``, ``wte`` or ``wpe``; and output heads (a path component
+  component containing ``embed``, ``wte`` or ``wpe``; output heads (a path component
   named ``lm_head``, ``head``, ``unembed``, ``output``, ``output_head``, ``logits`` or
-  ``classifier``). Everything else of rank >= 2 goes to Muon.
+  ``classifier``); and a leaf with a ``"vocab"`` logical axis name (``names``).
+  Everything else of rank >= 2 goes to Muon.
   """
   parts = [p.lower() for p in path.split("/") if p]
   if len(shape) < 2 or (parts and parts[-1] in _VECTOR_LEAF_NAMES):
     return ADAM
   if any(w in p for p in parts for w in _EMBEDDING_WORDS) or any(p in _HEAD_NAMES for p in parts):
     return ADAM
+  if names is not None and VOCAB in names:
+    return ADAM
   return MUON
 
 
 def muon_labels(params: Any) -> Any:
-  """The default routing: a tree of ``"muon"``/``"adam"`` labels (see ``default_label``)."""
-  return jax.tree_util.tree_map_with_path(lambda p, x: default_label(path_str(p), tuple(x.shape)), params)
+  """The default routing: a tree of ``"muon"``/``"adam"`` labels (see ``default_label``).
+
+  Boxed leaves (``nn.Partitioned``, NNX variables) keep their box, with the label inside;
+  their logical axis names take part (a ``"vocab"`` axis goes to AdamW).
+  """
+
+  def label(p, x):
+    if not _is_box(x):
+      return default_label(path_str(p), tuple(x.shape))
+    return jax.tree.map(lambda _: default_label(path_str(p), _shape(x), logical_names(x)), x)
+
+  return jax.tree_util.tree_map_with_path(label, params, is_leaf=_is_box)
+
+
+def attention_matrix_axes(layout: Any, *, value: str = "value", out: str = "out",
+                          default: MatrixAxes | None = None) -> Callable[[Any], Any]:
+  """``matrix_axes`` for attention kernels of the DenseGeneral form, from their layout.
+
+  ``matrix_axes=attention_matrix_axes(layout)`` makes each query, key and value kernel
+  ``(*stack, in, heads, head_dim)`` one ``in x heads*head_dim`` matrix
+  (``MatrixAxes((-3,), (-2, -1))``) and each output kernel ``(*stack, heads, head_dim, out)``
+  one ``heads*head_dim x out`` matrix (``MatrixAxes((-3, -2), (-1,))``); leading axes are
+  stacked layers. That is the form of ``flax.linen.MultiHeadDotProductAttention`` and
+  ``flax.nnx.MultiHeadAttention`` (names ``query``, ``key``, ``value``, ``out``: use
+  ``GQALayout(..., query="query", key="key")``) and of MaxText. Query/key names come from
+  the layout (GQA: ``query``/``key``; MLA: ``wq_b``/``wq`` or ``query``, and
+  ``key_value``), value and output names from ``value``/``out``. A kernel is matched only
+  when its trailing axes are the layout's ``(heads, head_dim)`` (key/value: ``num_kv_heads``;
+  MLA: ``qk_head_dim``, ``nope + v`` and ``v_head_dim`` widths); every other leaf gets
+  ``default`` when its rank is 3 or more (e.g. ``MatrixAxes((-2,), (-1,))`` for the other
+  kernels of a ``nn.scan`` stack), else None (resolved by logical names or as a 2-D matrix).
+
+  Args:
+    layout: a ``GQALayout``/``MLALayout``, or a mapping from module-path glob patterns to them.
+    value: name of the value projection (GQA).
+    out: name of the output projection.
+    default: ``MatrixAxes`` for every other leaf of rank >= 3, or None.
+  """
+  from ._layouts import GQALayout, MLALayout  # noqa: PLC0415 (no import cycle at load time)
+
+  layouts = layout if isinstance(layout, Mapping) else {"*": layout}
+  for lay in layouts.values():
+    if not isinstance(lay, (GQALayout, MLALayout)):
+      raise TypeError(f"attention_matrix_axes: expected a GQALayout or MLALayout (or a mapping to them), got {lay!r}")
+  in_axes, out_axes = MatrixAxes((-3,), (-2, -1)), MatrixAxes((-3, -2), (-1,))
+
+  def projections(lay) -> dict[str, tuple[tuple[int, ...], MatrixAxes]]:
+    """{projection name: (expected trailing shape, axes)}."""
+    if isinstance(lay, GQALayout):
+      hd, kv = (lay.num_heads, lay.head_dim), (lay.num_kv_heads, lay.head_dim)
+      if lay.qkv is not None:  # fused (in, 3, heads, head_dim): one in x 3*heads*head_dim matrix
+        found = {lay.qkv: ((3, *hd), MatrixAxes((-4,), (-3, -2, -1)))}
+      else:
+        found = {lay.query: (hd, in_axes), lay.key: (kv, in_axes)}
+      return found | {value: (kv, in_axes), out: (hd, out_axes)}
+    h = lay.num_heads
+    found = {q: ((h, lay.qk_head_dim), in_axes) for q in ((lay.query,) if lay.query else ("wq_b", "wq"))}
+    found[lay.key_value] = ((h, lay.qk_nope_head_dim + lay.v_head_dim), in_axes)
+    return found | {out: ((h, lay.v_head_dim), out_axes)}
+
+  def axes_for(path: str, shape: tuple[int, ...]) -> MatrixAxes | None:
+    parts = path.split("/")
+    if len(shape) >= 3 and len(parts) >= 2 and parts[-1] == "kernel":
+      module = "/".join(parts[:-2])
+      matches = [lay for pattern, lay in layouts.items() if fnmatch.fnmatchcase(module, pattern)]
+      proj = projections(matches[0]).get(parts[-2]) if len(matches) == 1 else None
+      if proj is not None:
+        trailing, axes = proj
+        got = shape[-3:-1] if axes is out_axes else shape[-len(trailing):]
+        if len(shape) > len(trailing) and tuple(got) == trailing:
+          return axes
+    return default if len(shape) >= 3 else None
+
+  def spec(params: Any) -> Any:
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: axes_for(path_str(p), _shape(x)), params, is_leaf=_is_box)
+
+  return spec

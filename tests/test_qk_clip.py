@@ -422,6 +422,52 @@ def test_head_sharded_kernels_on_mesh(lay, axis_type):
   _assert_no_weight_gather(hlo, min(x.size // 4 for x in jax.tree.leaves(params) if x.ndim == 3))
 
 
+@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit])
+@pytest.mark.parametrize(
+    "lay", [MLALayout(4, 2, 2, 2), GQALayout(8, 4, 2)], ids=["mla", "gqa-split"]
+)
+def test_dense_general_kernels_sharded_over_heads(lay, axis_type):
+  """DenseGeneral (L, in, heads, width) kernels sharded over the heads axis: no gather, same values."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2)
+  if isinstance(lay, MLALayout):
+    layers = [_mla_case(i, lay, bias=True, q_in=8, kv_rank=8) for i in range(2)]
+    widths = {"wq_b": lay.qk_head_dim, "wkv_b": lay.qk_nope_head_dim + lay.v_head_dim}
+  else:
+    layers = [_gqa_case(i, lay, bias=True, d=8) for i in range(2)]
+    widths = {"wq": lay.head_dim, "wk": lay.head_dim}
+  flat = jax.tree.map(lambda *xs: np.stack(xs), *[p for p, _ in layers])
+  maxima = np.stack([np_max_logits(_logits(p["attn"], x, lay)) for p, x in layers]).astype(np.float32)
+  ml = {"attn": {"max_logits": maxima}}
+  tau = np.float32(np.median(maxima))
+
+  def dense_general(path, x):  # (L, in, H*W) -> (L, in, H, W); bias (L, H*W) -> (L, H, W)
+    names = [str(k.key) for k in path]
+    width = widths.get(names[1])
+    return x if width is None else np.asarray(x).reshape(*x.shape[:-1], -1, width)
+
+  params = jax.tree_util.tree_map_with_path(dense_general, flat)
+  expected = jax.tree_util.tree_map_with_path(dense_general, qk_clip(flat, ml, threshold=tau, layout=lay))
+
+  def shard(path, x):
+    heads = [str(k.key) for k in path][1] in widths
+    spec = P(*([None] * (x.ndim - 2)), "model", None) if heads else P()
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+  sharded = jax.tree_util.tree_map_with_path(shard, params)
+  fn = jax.jit(lambda p, m: qk_clip(p, m, threshold=tau, layout=lay))
+  with jax.set_mesh(mesh):
+    ml_sharded = jax.device_put(ml, NamedSharding(mesh, P()))
+    out = fn(sharded, ml_sharded)
+    hlo = fn.lower(sharded, ml_sharded).compile().as_text()
+  chex.assert_trees_all_equal(out, expected)
+  jax.tree.map(_assert_same_sharding, out, sharded)
+  for name in widths:
+    assert params["attn"][name]["kernel"].ndim == 4 and params["attn"][name]["bias"].ndim == 3
+  assert not np.array_equal(expected["attn"]["wq" if "wq" in widths else "wq_b"]["kernel"],
+                            params["attn"]["wq" if "wq" in widths else "wq_b"]["kernel"])  # it clipped
+  _assert_no_weight_gather(hlo, min(x.size // 4 for x in jax.tree.leaves(params) if x.ndim == 4))
+
+
 def _assert_same_sharding(a, b):
   assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
 

@@ -14,7 +14,9 @@ The pure functions ``attention``, ``dense_attention``, ``chunked_attention``,
 ``mla_from_hf_config``/``mla_nnx_from_hf_config`` build MLA from a Hugging Face
 DeepSeek-V3 / Kimi K2 ``config.json`` dict and ``load_hf_mla_params`` converts its
 attention weights (safetensors, optional extra ``hf``). Logical axis names: "embed",
-"q_lora", "kv_lora", "heads", "kv_heads", "norm".
+"q_lora", "kv_lora", "heads", "kv_heads", "norm". ``dot_product_attention`` is a drop-in
+``attention_fn`` for Flax's ``nn.MultiHeadDotProductAttention``/``nnx.MultiHeadAttention``
+that sows the same ``max_logits``.
 """
 
 from ._attention import ATTENTION_IMPLS as ATTENTION_IMPLS
@@ -25,6 +27,7 @@ from ._deepseek import load_hf_mla_params as load_hf_mla_params
 from ._deepseek import mla_from_hf_config as mla_from_hf_config
 from ._deepseek import mla_nnx_from_hf_config as mla_nnx_from_hf_config
 from ._flash_pallas import pallas_attention as pallas_attention
+from ._flax_attention import dot_product_attention as dot_product_attention
 from ._gqa import GroupedQueryAttention as GroupedQueryAttention
 from ._max_pass import dpa_max_attention as dpa_max_attention
 from ._mla import MultiHeadLatentAttention as MultiHeadLatentAttention

@@ -1,0 +1,106 @@
+"""The ``max_logits`` tree: per-head maxima sown by attention modules, found by module path.
+
+Attention modules sow a leaf ``max_logits`` of shape ``(*stack, num_heads)`` in the
+``intermediates`` collection at their own module path (next to their query/key
+projections in ``params``). This module reads such a tree into ``{module path: maxima}``
+and writes one back.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ._paths import key_name as _key_name
+from ._paths import keystr as _path_str
+
+MAX_LOGITS = "max_logits"
+INTERMEDIATES = "intermediates"
+
+
+def _join(module: str, name: str) -> str:
+  return f"{module}/{name}" if module else name
+
+
+def _reject_apply_output(max_logits: Any, caller: str) -> None:
+  """A tuple at the top is the ``(output, state)`` pair of ``apply``/``nnx.capture``: say so."""
+  if not isinstance(max_logits, (tuple, list)):
+    return
+  holds = [
+      i for i, x in enumerate(max_logits)
+      if isinstance(x, Mapping) and INTERMEDIATES in x
+      or any(MAX_LOGITS in map(_key_name, p) for p, _ in jax.tree_util.tree_flatten_with_path(x)[0])
+  ]
+  where = f"; element {holds[0]} holds the maxima" if holds else ""
+  raise TypeError(
+      f"{caller}: max_logits is a {type(max_logits).__name__} of length {len(max_logits)}{where}. "
+      "Expected the 'intermediates' collection (a mapping): from "
+      "`y, state = model.apply(variables, x, mutable=['intermediates'])` pass state "
+      "(or state['intermediates']), not the (y, state) pair; from "
+      "`y, intermediates = nnx.capture(model, nnx.Intermediate)(x)` pass intermediates"
+  )
+
+
+def collect_max_logits(max_logits: Any, caller: str = "qk_clip") -> dict[str, jax.Array]:
+  """``{module path: float32 maxima (*stack, H)}`` of an ``intermediates``-like tree.
+
+  Accepts the bare ``intermediates`` collection or ``{"intermediates": ...}`` (the mutable
+  state of ``apply``), leaves wrapped in a tuple (Flax's default ``sow``; several entries are
+  merged by maximum) and NNX ``Intermediate`` boxes (trailing ``value`` key).
+
+  Raises:
+    TypeError: a tuple or list at the top (the ``(y, state)`` pair of ``apply``).
+    ValueError: no ``max_logits`` leaf; a leaf under another ``intermediates`` key; leaves of
+      one module with different shapes, or of rank 0.
+  """
+  _reject_apply_output(max_logits, caller)
+  if isinstance(max_logits, Mapping) and INTERMEDIATES in max_logits:
+    max_logits = max_logits[INTERMEDIATES]
+  found: dict[str, list[jax.Array]] = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(max_logits)[0]:
+    names = [_key_name(k) for k in path]
+    if MAX_LOGITS not in names:
+      continue
+    i = len(names) - 1 - names[::-1].index(MAX_LOGITS)
+    if any(not (isinstance(n, int) or n == "value") for n in names[i + 1 :]):
+      raise ValueError(
+          f"{caller}: unexpected structure under {_path_str(path[: i + 1])!r}: {_path_str(path)!r}; "
+          "expected an array, a tuple of arrays or an NNX Intermediate"
+      )
+    if INTERMEDIATES in names[:i]:
+      raise ValueError(
+          f"{caller}: max_logits leaf at {_path_str(path)!r} lies under an "
+          f"{INTERMEDIATES!r} key; pass the 'intermediates' collection itself (or "
+          "{'intermediates': ...}), whose paths are the attention modules' paths"
+      )
+    found.setdefault(_path_str(path[:i]), []).append(jnp.asarray(leaf))
+  if not found:
+    raise ValueError(
+        f"{caller}: no leaf named 'max_logits' in max_logits; pass the 'intermediates' "
+        "collection of model.apply(..., mutable=['intermediates'])"
+    )
+  result = {}
+  for module, arrays in found.items():
+    shapes = {a.shape for a in arrays}
+    if len(shapes) != 1 or arrays[0].ndim < 1:
+      raise ValueError(
+          f"{caller}: {_join(module, MAX_LOGITS)}: expected shape (..., num_heads), "
+          f"got {[a.shape for a in arrays]}"
+      )
+    result[module] = functools.reduce(jnp.maximum, arrays).astype(jnp.float32)
+  return result
+
+
+def nest_max_logits(flat: Mapping[str, jax.Array]) -> dict:
+  """``{"a/b": x}`` -> ``{"a": {"b": {"max_logits": x}}}``, the shape of ``intermediates``."""
+  tree: dict = {}
+  for module, value in flat.items():
+    node = tree
+    for part in module.split("/") if module else []:
+      node = node.setdefault(part, {})
+    node[MAX_LOGITS] = value
+  return tree

@@ -1,0 +1,189 @@
+"""Muon's matrix axes without hand-written callables: logical names, MuonDimensionNumbers, layouts."""
+
+import re
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import muonclip_jax as mc
+from muonclip_jax._routing import axes_from_names, matrix_axes_lookup
+
+MDN = optax.contrib.MuonDimensionNumbers
+KELLER = dict(ns_coeffs="muon", ns_steps=5, ns_method="standard")
+
+
+def _tree(rng):
+  return {"stack": jnp.asarray(rng.standard_normal((3, 8, 12)), jnp.float32),
+          "per_head": jnp.asarray(rng.standard_normal((16, 4, 8)), jnp.float32),
+          "out": jnp.asarray(rng.standard_normal((4, 8, 16)), jnp.float32),
+          "w": jnp.asarray(rng.standard_normal((8, 8)), jnp.float32)}
+
+
+AXES = {"stack": mc.MatrixAxes((-2,), (-1,)), "per_head": mc.MatrixAxes((0,), (1, 2)),
+        "out": mc.MatrixAxes((0, 1), (2,)), "w": None}
+DIMS = {"stack": MDN(-2, -1), "per_head": MDN(0, (1, 2)), "out": MDN((0, 1), 2), "w": None}
+
+
+@pytest.mark.parametrize("form", ["tree", "callable", "single"])
+def test_muon_dimension_numbers_equal_matrix_axes(form):
+  g = _tree(np.random.default_rng(0))
+  if form == "single":
+    g = {"stack": g["stack"]}
+    ours, theirs = mc.MatrixAxes((-2,), (-1,)), MDN(-2, -1)
+  else:
+    ours, theirs = AXES, DIMS
+    if form == "callable":
+      ours, theirs = (lambda p: AXES), (lambda p: DIMS)
+  want, _ = mc.scale_by_muon(matrix_axes=ours, **KELLER).update(g, mc.scale_by_muon(matrix_axes=ours).init(g))
+  opt = mc.scale_by_muon(matrix_axes=theirs, **KELLER)
+  got, _ = opt.update(g, opt.init(g))
+  chex.assert_trees_all_equal(got, want)
+
+
+def test_bad_spec_leaf_names_its_path():
+  with pytest.raises(ValueError, match=r"matrix_axes: leaf at w: expected a MatrixAxes, an optax.contrib.MuonDimensionNumbers"):
+    matrix_axes_lookup({"w": "rows"}, {"w": jnp.zeros((2, 2))})
+
+
+@pytest.mark.parametrize("names, shape, want", [
+    (("embed", "heads", "kv"), (16, 4, 8), ((0,), (1, 2))),
+    (("heads", "kv", "embed"), (4, 8, 16), ((0, 1), (2,))),
+    (("layers", "embed", "mlp"), (3, 16, 32), ((1,), (2,))),
+    (("layers", "embed", "q_heads", "kv"), (3, 16, 4, 8), ((1,), (2, 3))),
+    (("kv_lora", "heads", "kv"), (8, 4, 6), ((0,), (1, 2))),
+    (("embed", "vocab"), (16, 64), ((0,), (1,))),
+])
+def test_axes_from_logical_names(names, shape, want):
+  assert axes_from_names("p", shape, names).resolve("p", shape)[1:] == want
+
+
+@pytest.mark.parametrize("names", [("a", "b", "c"), ("layers", "embed"), ("heads", "embed", "kv"), ("embed", None, "mlp")])
+def test_undecidable_names_raise(names):
+  shape = (4,) * len(names)
+  with pytest.raises(ValueError, match=rf"x/kernel: cannot tell .* shape {re.escape(str(shape))} .* names"):
+    axes_from_names("x/kernel", shape, names)
+
+
+class Named(nn.Module):
+  """DenseGeneral q/out kernels and an MLP stacked by nn.scan, all logically partitioned."""
+
+  @nn.compact
+  def __call__(self, x):
+    def body(mdl, x, _):
+      init = nn.initializers.lecun_normal()
+      q = nn.DenseGeneral((4, 8), kernel_init=nn.with_logical_partitioning(init, ("embed", "heads", "kv")),
+                          name="query", parent=mdl)(x)
+      x = x + nn.DenseGeneral(16, axis=(-2, -1), name="out", parent=mdl,
+                              kernel_init=nn.with_logical_partitioning(init, ("heads", "kv", "embed")))(q)
+      return x + nn.Dense(16, name="mlp", parent=mdl,
+                          kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x), None
+
+    x, _ = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True}, length=2,
+                   metadata_params={nn.PARTITION_NAME: "layers"})(self, x, None)
+    return nn.Dense(32, name="proj", kernel_init=nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ("embed", "vocab")))(x)
+
+
+def test_linen_logical_names_decide_the_matrices_and_vocab_goes_to_adamw():
+  params = Named().init(jax.random.key(0), jnp.ones((2, 16)))["params"]
+  assert params["query"]["kernel"].names == ("layers", "embed", "heads", "kv")
+  labels = mc.muon_labels(params)
+  assert nn.unbox(labels)["proj"]["kernel"] == "adam"  # "vocab" axis, though the path says nothing
+  assert nn.unbox(labels)["query"]["kernel"] == "muon"
+  grads = jax.tree.map(lambda x: jnp.cos(7 * x), params)
+  kernels = lambda t: {k: {"kernel": v["kernel"]} for k, v in t.items() if k != "proj"}  # noqa: E731
+  full, full_grads = params, grads
+  params, grads = kernels(params), kernels(grads)
+  named = mc.scale_by_muon(**KELLER)
+  explicit = mc.scale_by_muon(matrix_axes=mc.attention_matrix_axes(
+      mc.GQALayout(4, 4, 8, query="query", key="key"), default=mc.MatrixAxes((-2,), (-1,))), **KELLER)
+  want, _ = explicit.update(nn.unbox(grads), explicit.init(nn.unbox(params)))
+  got, _ = named.update(grads, named.init(params))
+  chex.assert_trees_all_equal(nn.unbox(got), want)
+  # the whole optimizer keeps the boxes and routes through them
+  opt = mc.muon_adamw(1e-2, **KELLER)
+  updates, state = opt.update(full_grads, opt.init(full), full)
+  assert isinstance(updates["query"]["kernel"], nn.Partitioned)
+  adam_mu = nn.unbox(state.inner_states["adam"].inner_state[0].mu)
+  assert adam_mu["proj"]["kernel"].shape == (16, 32)
+
+
+def test_nnx_sharding_metadata_is_read():
+  lin = nnx.LinearGeneral(16, (4, 8), rngs=nnx.Rngs(0),
+                          kernel_metadata={"out_sharding": ("embed", "heads", "kv"), "eager_sharding": False})
+  state = nnx.state(lin, nnx.Param)
+  lookup = matrix_axes_lookup(None, state)
+  assert lookup("kernel", (16, 4, 8)) == mc.MatrixAxes((0,), (1, 2))
+  # nnx.Optimizer hands optax bare arrays: the names travel through matrix_axes
+  axes = mc.logical_matrix_axes(state)
+  bare = nnx.to_pure_dict(state)
+  assert matrix_axes_lookup(axes, bare)("kernel", (16, 4, 8)) == mc.MatrixAxes((0,), (1, 2))
+  g = {"kernel": jnp.cos(jnp.arange(16 * 32, dtype=jnp.float32).reshape(16, 4, 8))}
+  want, _ = mc.scale_by_muon(matrix_axes=mc.MatrixAxes((0,), (1, 2))).update(g, mc.scale_by_muon(
+      matrix_axes=mc.MatrixAxes((0,), (1, 2))).init(g))
+  opt = mc.scale_by_muon(matrix_axes={"kernel": axes["kernel"]})
+  chex.assert_trees_all_equal(opt.update(g, opt.init(g))[0], want)
+
+
+def test_undeclared_rank3_gives_both_hints():
+  opt = mc.scale_by_muon()
+  with pytest.raises(ValueError) as err:
+    opt.init({"attn": {"query": {"kernel": jnp.zeros((64, 4, 16))}}})
+  msg = str(err.value)
+  assert "attn/query/kernel" in msg and "(64, 4, 16)" in msg
+  assert "stack of 64 layers (nn.scan) of 4x16 matrices: MatrixAxes((-2,), (-1,))" in msg
+  assert "one DenseGeneral kernel (in, heads, head_dim): MatrixAxes((0,), (1, 2)) is one 64 x 64 matrix" in msg
+  assert "attention_matrix_axes(layout)" in msg
+
+
+def test_attention_matrix_axes_for_every_form():
+  lay = mc.GQALayout(4, 2, 8, query="query", key="key")
+  params = {"attn": {"query": {"kernel": jnp.zeros((16, 4, 8)), "bias": jnp.zeros((4, 8))},
+                     "key": {"kernel": jnp.zeros((2, 16, 2, 8))},  # stacked
+                     "value": {"kernel": jnp.zeros((16, 2, 8))},
+                     "out": {"kernel": jnp.zeros((4, 8, 16))}},
+            "scanned_2d": {"query": {"kernel": jnp.zeros((3, 16, 32))}},  # (layers, in, H*D): not DenseGeneral
+            "mlp": {"kernel": jnp.zeros((16, 64))}}
+  got = mc.attention_matrix_axes(lay)(params)
+  assert got["attn"]["query"]["kernel"] == mc.MatrixAxes((-3,), (-2, -1))
+  assert got["attn"]["key"]["kernel"] == mc.MatrixAxes((-3,), (-2, -1))
+  assert got["attn"]["value"]["kernel"] == mc.MatrixAxes((-3,), (-2, -1))
+  assert got["attn"]["out"]["kernel"] == mc.MatrixAxes((-3, -2), (-1,))
+  assert got["scanned_2d"]["query"]["kernel"] is None and got["mlp"]["kernel"] is None
+  assert got["attn"]["query"]["bias"] is None
+  stack = mc.MatrixAxes((-2,), (-1,))
+  assert mc.attention_matrix_axes(lay, default=stack)(params)["scanned_2d"]["query"]["kernel"] == stack
+  fused = mc.attention_matrix_axes(mc.GQALayout(4, 4, 8, qkv="c_attn"))({"c_attn": {"kernel": jnp.zeros((16, 3, 4, 8))}})
+  assert fused["c_attn"]["kernel"] == mc.MatrixAxes((-4,), (-3, -2, -1))
+  mla = mc.MLALayout(4, 8, 4, 6)
+  got = mc.attention_matrix_axes(mla)({"wq_b": {"kernel": jnp.zeros((12, 4, 12))},
+                                       "wkv_b": {"kernel": jnp.zeros((10, 4, 14))},
+                                       "out": {"kernel": jnp.zeros((4, 6, 16))}})
+  assert got == {"wq_b": {"kernel": mc.MatrixAxes((-3,), (-2, -1))}, "wkv_b": {"kernel": mc.MatrixAxes((-3,), (-2, -1))},
+                 "out": {"kernel": mc.MatrixAxes((-3, -2), (-1,))}}
+  with pytest.raises(TypeError, match="expected a GQALayout or MLALayout"):
+    mc.attention_matrix_axes("query")
+
+
+def test_readme_optax_equivalent_matches_optax_muon_on_muon_leaves():
+  """README "Switching from optax.contrib.muon": the Muon half of optax's defaults."""
+  rng = np.random.default_rng(7)
+  params = {"w": jnp.asarray(rng.standard_normal((32, 48)), jnp.float32),
+            "heads": jnp.asarray(rng.standard_normal((16, 4, 8)), jnp.float32)}
+  dims = {"w": MDN(), "heads": MDN(0, (1, 2))}
+  grads = jax.tree.map(lambda x: jnp.cos(3 * x), params)
+  theirs = optax.contrib.muon(1e-2, weight_decay=0.05, muon_weight_dimension_numbers=dims)
+  ours = mc.muon_adamw(1e-2, weight_decay=0.05, adam_weight_decay=0.0, adam_b2=0.999, ns_coeffs="muon", ns_steps=5,
+                       ns_method="standard", ns_normalize="frobenius", eps=1e-8, rms_match="keller", matrix_axes=dims,
+                       labels=lambda p: jax.tree.map(lambda x: "muon" if x.ndim >= 2 else "adam", p))
+  s_theirs, s_ours = theirs.init(params), ours.init(params)
+  for _ in range(2):
+    u_theirs, s_theirs = theirs.update(grads, s_theirs, params)
+    u_ours, s_ours = ours.update(grads, s_ours, params)
+    chex.assert_trees_all_close(u_ours, u_theirs, rtol=2e-5, atol=1e-7)
