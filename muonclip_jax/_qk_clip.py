@@ -240,7 +240,29 @@ def qk_clip(params: Any, max_logits: Any, *, threshold: Any, layout: Any) -> Any
       leaves[k] = kernel
       if b is not None:
         leaves[b] = bias
+  _check_all_reported(by_module, leaves, layout, maxima)
   return treedef.unflatten(leaves)
+
+
+def _check_all_reported(by_module: Mapping[str, Mapping[str, int]], leaves: list, layout: Any,
+                        maxima: Mapping[str, jax.Array]) -> None:
+  """Every attention module of ``params`` must have sown ``max_logits``: none is skipped.
+
+  An attention whose capture is off (e.g. ``nnx.MultiHeadAttention`` called without
+  ``sow_weights=True``, or a layer that does not use a capturing ``attention_fn``) would
+  otherwise never be clipped, silently.
+  """
+  shapes = {m: {n: jnp.shape(leaves[i]) for n, i in index.items()} for m, index in by_module.items()}
+  missing = sorted(set(_attention_modules(shapes, layout, "qk_clip")) - set(maxima))
+  if missing:
+    raise ValueError(
+        f"qk_clip: the attention modules {missing} have the query/key projections of their "
+        f"layout but no max_logits in max_logits (which has {sorted(maxima)}): their "
+        "attention did not report its maxima, so they would never be clipped. Use a "
+        "capturing attention (the library's modules, or attention_fn="
+        "muonclip_jax.nn.dot_product_attention; nnx.MultiHeadAttention also needs "
+        "sow_weights=True) in every attention layer"
+    )
 
 
 def qk_clip_stats(max_logits: Any, *, threshold: Any) -> dict[str, dict[str, jax.Array]]:
@@ -281,6 +303,21 @@ def _layouts_of(module: str, layout: Any) -> list[_Layout]:
   return [layout[p] for p in matching_patterns(module, layout)] or list(layout.values())
 
 
+def _attention_modules(
+    by_module: Mapping[str, Mapping[str, tuple]], layout: Any, caller: str
+) -> dict[str, _Layout]:
+  """{module path: layout} of the modules that have every projection their layout names."""
+  found = {}
+  for module, shapes in by_module.items():
+    looks = lambda lay: not missing_projections(module, lay, shapes, caller)
+    if not any(looks(lay) for lay in _layouts_of(module, layout)):
+      continue
+    lay = _layout_for(module, layout)
+    if looks(lay):
+      found[module] = lay
+  return found
+
+
 def init_max_logits(params: Any, layout: Any) -> dict:
   """A ``max_logits`` tree of ``-inf`` for every attention module of ``params``.
 
@@ -305,14 +342,9 @@ def init_max_logits(params: Any, layout: Any) -> dict:
       for module, index in _by_module(flat).items()
   }
   tree: dict[str, jax.Array] = {}
-  for module, shapes in by_module.items():
-    looks = lambda lay: not missing_projections(module, lay, shapes, "init_max_logits")
-    if not any(looks(lay) for lay in _layouts_of(module, layout)):
-      continue
-    lay = _layout_for(module, layout)
-    if looks(lay):
-      stack = detect(module, lay, shapes, caller="init_max_logits")[0].stack
-      tree[module] = jnp.full((*stack, lay.num_heads), -jnp.inf, jnp.float32)
+  for module, lay in _attention_modules(by_module, layout, "init_max_logits").items():
+    stack = detect(module, lay, by_module[module], caller="init_max_logits")[0].stack
+    tree[module] = jnp.full((*stack, lay.num_heads), -jnp.inf, jnp.float32)
   if isinstance(params, Mapping) and "params" in params and all(
       m == "params" or m.startswith("params/") for m in tree
   ):

@@ -649,6 +649,19 @@ def test_layout_mapping():
     qk_clip(params, ml, threshold=3.0, layout={"dec/*": mla, "*/l0/attn": mla, "*/l1/*": gqa})
 
 
+def test_attention_module_without_maxima_raises():
+  """An attention module that sowed no max_logits is an error, never a silently skipped clip."""
+  lay = GQALayout(4, 2, 2)
+  (p0, _), (p1, _) = _gqa_case(0, lay), _gqa_case(1, lay)
+  params = {"l0": p0, "l1": p1}
+  ml = {"l0": {"attn": {"max_logits": np.array([9.0, 1.0, 1.0, 1.0], np.float32)}}}
+  with pytest.raises(ValueError, match=r"\['l1/attn'\] have the query/key projections .* sow_weights=True"):
+    qk_clip(params, ml, threshold=3.0, layout=lay)
+  both = {**ml, "l1": {"attn": {"max_logits": np.ones(4, np.float32)}}}
+  out = qk_clip(params, both, threshold=3.0, layout=lay)
+  chex.assert_trees_all_equal(out["l1"], p1)
+
+
 def test_root_module():
   lay = GQALayout(2, 2, 2)
   params, _ = _gqa_case(0, lay)
