@@ -15,8 +15,9 @@ from the ``s`` devices of its own ``R``-slice, so placement is free:
 
 * placement: matrices by decreasing FLOPs, each on the least-loaded device (longest
   processing time first, LPT: max load <= ideal + largest matrix, within 4/3 of the optimum),
-  subject to a byte cap per device and class; the plan keeps the better of this and the
-  shape-by-shape grouping of issue 6 (``grouped``), which meets the cap by construction;
+  optionally subject to a byte cap per device and class; of these and issue 6's
+  shape-by-shape grouping (``grouped``) the plan keeps the one with the fewest FLOPs on the
+  most loaded device whose traffic does not exceed issue 6's;
 * FLOPs per device: the sum of ``flops(m, n)`` over its matrices (``ns_flops``: matmuls only;
   XLA's cost analysis adds the elementwise work, ``O(m n)`` a step, ~1-4% for ``m >= 32``);
 * communication per device and class, with ``C`` the largest number of block elements a
@@ -24,8 +25,9 @@ from the ``s`` devices of its own ``R``-slice, so placement is free:
   its inverse ``all_to_all`` over ``S``, ``2 (s - 1) C``, plus the ``all_gather`` of the
   results over ``R``, ``(n_rep - 1) s C`` elements received.
 
-The cap is issue 6's traffic: per class ``sum_g ceil(c_g / D) m_g n_g / s`` block elements
-(``c_g`` matrices of shape ``g`` in the class), so communication never grows over it.
+Issue 6's traffic is that of the width ``C = sum_g ceil(c_g / D) m_g n_g / s`` per class
+(``c_g`` matrices of shape ``g`` in it: each group zero-padded to a multiple of ``D``); its
+grouping meets it by construction, so communication never grows over issue 6's.
 """
 
 from __future__ import annotations
@@ -152,6 +154,7 @@ class Plan:
   classes: tuple[Class, ...]
   device_flops: tuple[float, ...]
   gather_bytes: int  # bytes one device receives when XLA gathers the fallback leaves first
+  issue6_comm: int  # bytes one device receives under issue 6's grouping (the bound on ``comm``)
 
   @property
   def devices(self) -> int:
@@ -233,24 +236,24 @@ def _lpt(mats: dict, caps: dict, devices: int, blocks: dict) -> dict | None:
 def _grouped(mats: dict, devices: int) -> dict:
   """Issue 6's placement: per shape, at most ``ceil(c / D)`` matrices per device and class."""
   where = {key: [0] * len(ms) for key, ms in mats.items()}
-  by_shape: dict[tuple, list] = {}
+  by_shape: dict[tuple, dict[tuple, list]] = {}
   for key, ms in mats.items():
     for idx, (_, _, shape) in enumerate(ms):
-      by_shape.setdefault((shape, key[2]), []).append((key, idx))
-  for members in by_shape.values():
+      by_shape.setdefault((shape, key[2]), {}).setdefault(key, []).append(idx)
+  for per_class in by_shape.values():
     load = [0] * devices  # matrices of this shape per device, over its classes
-    per_class: dict[tuple, list[tuple]] = {}
-    for key, idx in members:
-      per_class.setdefault(key, []).append(idx)
     for key, idxs in per_class.items():
       q = -(-len(idxs) // devices)
       used = [0] * devices
+      heap = [(load[d], d) for d in range(devices)]
+      heapq.heapify(heap)
       for idx in idxs:
-        d = min((d for d in range(devices) if used[d] < q), key=lambda d: (load[d], d))
+        _, d = heapq.heappop(heap)
         where[key][idx] = d
         used[d] += 1
         load[d] += 1
-    del load
+        if used[d] < q:
+          heapq.heappush(heap, (load[d], d))
   return where
 
 
@@ -261,9 +264,11 @@ def plan(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops, *, place
     leaves: ``describe`` of every leaf.
     mesh: axis name -> size, in mesh order.
     flops: FLOPs of orthogonalizing one ``m x n`` matrix (``m <= n``).
-    placement: ``"best"`` (the better of capped LPT and ``"grouped"``), ``"lpt"`` (LPT
-      without the cap: the whole-matrix bound) or ``"grouped"`` (issue 6's shape-by-shape
-      placement, without its zero-matrix padding).
+    placement: ``"best"``: the fewest FLOPs on the most loaded device among ``"grouped"``
+      and LPT with the byte cap per class at 1, 1.25 and infinitely many times issue 6's,
+      keeping only those whose total traffic does not exceed issue 6's; ``"lpt"``: LPT
+      without any cap (the whole-matrix bound); ``"grouped"``: issue 6's shape-by-shape
+      placement, without its zero-matrix padding.
   """
   axes = tuple(a for a in mesh if mesh[a] > 1)
   sizes = tuple(mesh[a] for a in axes)
@@ -283,35 +288,42 @@ def plan(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops, *, place
         out[d] += f
     return out
 
-  if placement == "grouped":
-    where = _grouped(mats, devices)
-  elif placement == "lpt":
-    where = _lpt(mats, {k: math.inf for k in mats}, devices, blocks)
-  elif placement == "best":
-    options = [_grouped(mats, devices)]
-    capped = _lpt(mats, caps, devices, blocks)
-    if capped is not None:
-      options.append(capped)
-    where = min(options, key=lambda w: max(loads(w)))
-  else:
-    raise ValueError(f"placement must be 'best', 'lpt' or 'grouped', got {placement!r}")
+  def classes(where, widths=None):
+    out = []
+    for key, ms in mats.items():
+      rows, cols, _ = key
+      filled = [0] * devices
+      offset = []
+      for (_, _, shape), d in zip(ms, where[key]):
+        offset.append(filled[d])
+        filled[d] += blocks[key][shape]
+      members = tuple(sorted({i for _, (i, _), _ in ms}))
+      out.append(Class(rows=rows, cols=cols, rep=rep_of[key], n_row=_size(rows, mesh), n_col=_size(cols, mesh),
+                       n_rep=_size(rep_of[key], mesh), itemsize=leaves[members[0]].itemsize, leaves=members,
+                       matrices=tuple(ij for _, ij, _ in ms), device=tuple(where[key]), offset=tuple(offset),
+                       width=max(filled) if widths is None else widths[key]))
+    return tuple(out)
 
-  classes = []
-  for key, ms in mats.items():
-    rows, cols, _ = key
-    filled = [0] * devices
-    offset = []
-    for (_, _, shape), d in zip(ms, where[key]):
-      offset.append(filled[d])
-      filled[d] += blocks[key][shape]
-    members = tuple(sorted({i for _, (i, _), _ in ms}))
-    classes.append(Class(rows=rows, cols=cols, rep=rep_of[key], n_row=_size(rows, mesh), n_col=_size(cols, mesh),
-                         n_rep=_size(rep_of[key], mesh), itemsize=leaves[members[0]].itemsize, leaves=members,
-                         matrices=tuple(ij for _, ij, _ in ms), device=tuple(where[key]), offset=tuple(offset),
-                         width=max(filled)))
   gather = sum(int(math.prod(lf.shape) * lf.itemsize * (lf.gathered - 1) / lf.gathered) for lf in leaves)
-  return Plan(axes=axes, sizes=sizes, classes=tuple(classes), device_flops=tuple(loads(where)),
-              gather_bytes=gather)
+  grouped = _grouped(mats, devices)
+  issue6 = gather + sum(c.comm() for c in classes(grouped, caps))
+
+  def build(where):
+    return Plan(axes=axes, sizes=sizes, classes=classes(where), device_flops=tuple(loads(where)),
+                gather_bytes=gather, issue6_comm=issue6)
+
+  if placement == "grouped":
+    return build(grouped)
+  if placement == "lpt":
+    return build(_lpt(mats, {k: math.inf for k in mats}, devices, blocks))
+  if placement != "best":
+    raise ValueError(f"placement must be 'best', 'lpt' or 'grouped', got {placement!r}")
+  options = [build(grouped)]
+  for scale in (1, 1.25, math.inf):  # the cap per class, then only the total traffic bounded
+    where = _lpt(mats, {k: c * scale for k, c in caps.items()}, devices, blocks)
+    if where is not None:
+      options.append(build(where))
+  return min((p for p in options if p.comm <= issue6), key=lambda p: (p.max_flops, p.comm))
 
 
 def device_coords(plan_: Plan, cls: Class, d: int, mesh: Mapping[str, int]) -> tuple[int, int]:
@@ -345,13 +357,7 @@ def figures(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops) -> di
   total = float(sum(new.device_flops))
   lpt = plan(leaves, mesh, flops, placement="lpt")
   group_flops = sum(-(-c // devices) * float(flops(m, n)) for (_, m, n), c in grouped_counts(leaves).items())
-  grouped = plan(leaves, mesh, flops, placement="grouped")
-  group_comm = new.gather_bytes
-  for cls in grouped.classes:  # issue 6 pads every group of a class to ceil(c / D) per device
-    key_leaves = [leaves[i] for i in cls.leaves]
-    counts = grouped_counts(key_leaves)
-    width = sum(-(-c // devices) * m * n // cls.s for (_, m, n), c in counts.items())
-    group_comm += dataclasses.replace(cls, width=width).comm()
+  group_comm = new.issue6_comm
   repeated = sum(int(math.prod(lf.shape) * lf.itemsize * (1 - 1 / max(lf.gathered, _size(lf.rows + lf.cols, mesh))))
                  for lf in leaves)
   return {
