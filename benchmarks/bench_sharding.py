@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 from optax import contrib
 

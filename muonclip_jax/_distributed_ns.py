@@ -20,8 +20,8 @@ one dtype):
 4. the inverse ``all_to_all`` and an ``all_gather`` over ``R`` give every device its block of
    every result, in the parameter's own sharding.
 
-A zero padding only fills each buffer row up to the largest device's (the planner caps it
-at issue 6's traffic). Moonlight's distributed Muon (arXiv 2502.16982) instead gathers every
+Zero padding only fills each buffer row up to the fullest device's; the planner keeps the
+total traffic within issue 6's shape-by-shape grouping's. Moonlight's distributed Muon (arXiv 2502.16982) instead gathers every
 matrix on every data-parallel rank and repeats the iteration there. Leaves whose sharding
 is unknown (a bare ``Mesh``) or not a block layout are gathered first and come back
 replicated.
