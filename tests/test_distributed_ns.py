@@ -10,6 +10,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -223,3 +224,19 @@ def test_orthogonalize_sharded_mixed_dtypes_and_shardings_match_direct_call():
     tol = 0.1 if x.dtype == jnp.bfloat16 else 1e-5  # bf16: four steps of rounding (as in test_muon)
     np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(ns(x.astype(jnp.float32))), atol=tol)
     assert o.dtype == x.dtype and o.sharding.is_equivalent_to(s, x.ndim)
+
+
+def test_traced_step_count_under_inject_hyperparams():
+  """``ns_steps`` traced by ``optax.inject_hyperparams``: placed by the preset's count, same result."""
+  mesh = _mesh("data2x4")
+  params = {"a": jnp.asarray(np.random.default_rng(1).standard_normal((32, 64)), jnp.float32),
+            "b": jnp.asarray(np.random.default_rng(2).standard_normal((48, 32)), jnp.float32)}
+  ps = {"a": NamedSharding(mesh, jax.sharding.PartitionSpec(None, "model")),
+        "b": NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model"))}
+  make = lambda **kw: optax.inject_hyperparams(mc.scale_by_muon, static_args=("ns_coeffs",))(ns_steps=4, **kw)
+  ref = make()
+  expected = jax.jit(ref.update)(params, ref.init(params))[0]
+  opt = make(shard_orthogonalization=ps)
+  sp = jax.device_put(params, ps)
+  out = jax.jit(opt.update)(sp, opt.init(sp))[0]
+  chex.assert_trees_all_close(jax.device_get(out), jax.device_get(expected), atol=1e-5)
