@@ -84,7 +84,7 @@ def _to_wide(lf: planner.Leaf, x: jax.Array) -> jax.Array:
   """Local block -> ``(count, bm, bn)``: the local blocks of its wide matrices."""
   perm = lf.batch + lf.fan_in + lf.fan_out
   moved = jnp.transpose(x, perm) if perm != tuple(range(x.ndim)) else x
-  w = moved.reshape((lf.count, math.prod(x.shape[a] for a in lf.fan_in), -1))
+  w = moved.reshape((lf.count, math.prod(x.shape[a] for a in lf.fan_in), math.prod(x.shape[a] for a in lf.fan_out)))
   return jnp.swapaxes(w, -1, -2) if lf.tall else w
 
 
@@ -169,7 +169,7 @@ def _executor(leaves: list[planner.Leaf], plan: planner.Plan, mesh: Mesh, ns: Ca
       recvs.append(jax.lax.all_to_all(buf, cls.sharded, 0, 0) if cls.s > 1 else buf)
     branches = [lambda rs, d=d: compute(d, rs) for d in range(plan.devices)]
     outs = jax.lax.switch(jax.lax.axis_index(plan.axes), branches, tuple(recvs))
-    out: list[Any] = [None] * len(local)
+    out = list(local)  # (a leaf of zero matrices stays as it is)
     for cls, y in zip(plan.classes, outs):
       back = jax.lax.all_to_all(y, cls.sharded, 0, 0) if cls.s > 1 else y
       every = jax.lax.all_gather(back, cls.rep, axis=0) if cls.n_rep > 1 else back[None]

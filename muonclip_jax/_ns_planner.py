@@ -187,6 +187,8 @@ def _matrices(leaves: Sequence[Leaf], flops: Flops):
   """Per class key: [(flops, block elements, (leaf, k), shape)]; leaves in order."""
   out: dict[tuple, list] = {}
   for i, lf in enumerate(leaves):
+    if not lf.count:  # an empty stack: nothing to place
+      continue
     m, n = lf.mn
     f = float(flops(m, n))
     out.setdefault(lf.key, []).extend((f, (i, k), (m, n)) for k in range(lf.count))
@@ -201,6 +203,8 @@ def grouped_counts(leaves: Sequence[Leaf]) -> dict[tuple, int]:
   """Issue 6's groups: ``{(class key, m, n): number of matrices}``."""
   out: dict[tuple, int] = {}
   for lf in leaves:
+    if not lf.count:
+      continue
     key = (lf.key, *lf.mn)
     out[key] = out.get(key, 0) + lf.count
   return out
