@@ -134,7 +134,7 @@ def _executor(leaves: list[planner.Leaf], plan: planner.Plan, mesh: Mesh, ns: Ca
 
   def compute(d, recvs):
     """Device ``d``'s program: its matrices of every class, orthogonalized."""
-    mats, stacks = [], collections.defaultdict(list)
+    stacks = collections.defaultdict(list)
     for ci, cls in enumerate(plan.classes):
       for t in by_device[ci].get(d, []):
         lf, m, n, bm, bn = geometry(cls, t)

@@ -184,7 +184,7 @@ def _ravel(coords: Mapping[str, int], axes: Sequence[str], mesh: Mapping[str, in
 
 
 def _matrices(leaves: Sequence[Leaf], flops: Flops):
-  """Per class key: [(flops, block elements, (leaf, k), shape)]; leaves in order."""
+  """Per class key: ``[(flops, (leaf, index in its stack), (m, n))]``, leaves in order."""
   out: dict[tuple, list] = {}
   for i, lf in enumerate(leaves):
     if not lf.count:  # an empty stack: nothing to place
