@@ -23,7 +23,23 @@ elementwise work is not in it.
 all-to-all's result, ``2 (g-1)/g`` of an all-reduce's (ring), ``g-1`` times a
 reduce-scatter's result, a collective-permute's result (``g``: the replica group size).
 
+Issue 14 parts (``--part``), with the library's default iteration (polar_express_4,
+``ns_method="auto"``), float32:
+
+* ``mla``: the hidden matrices of a DeepSeek-style MLA model (``model_shapes.MLA_1024``:
+  wq_a, wq_b, wkv_a, wkv_b, wo, w_gate, w_up, w_down) on ``data x model`` meshes; the
+  distributed Newton–Schulz alone (``orthogonalize_sharded``) compiled with issue 6's code
+  (loaded from git, ``--baseline``) and with this one: per-device FLOPs (cost analysis, loops
+  unrolled) over one device's, against the LPT bound and the ideal ``1/D``. Needs as many fake
+  devices as the mesh has (``--devices 64`` for 8x8, in its own process);
+* ``moe``: one MoE layer (MLA attention, a stack of routed experts, a shared expert);
+* ``planner``: ``_ns_planner.figures`` (pure Python) for a DeepSeek-V3-like and a dense
+  70B-like model on 8 to 1024 devices.
+
   python benchmarks/bench_sharding.py [--layers 4] [--dim 768]
+  python benchmarks/bench_sharding.py --part mla [--devices 64]
+  python benchmarks/bench_sharding.py --part moe
+  python benchmarks/bench_sharding.py --part planner
 """
 
 from __future__ import annotations
@@ -34,19 +50,23 @@ import inspect
 import functools
 import os
 import re
+import subprocess
+import sys
+import types
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import PartitionSpec as P
+from optax import contrib
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-from optax import contrib  # noqa: E402
+import muonclip_jax as mc
+from muonclip_jax import _distributed_ns, _newton_schulz, _ns_planner, sharding
 
-import muonclip_jax as mc  # noqa: E402
-from muonclip_jax import _newton_schulz, sharding  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import model_shapes  # noqa: E402
 
 KELLER = dict(ns_coeffs="muon", ns_steps=5, ns_method="standard")
 MESHES = {
@@ -139,11 +159,140 @@ def measure(opt: optax.GradientTransformation, params: dict, shardings: dict | N
   return compiled.cost_analysis()["flops"], rolled.cost_analysis()["flops"], comm, counts
 
 
+DEFAULT_NS = dict(steps=None, coeffs="polar_express_4", method="auto")  # scale_by_muon's default
+BASELINE = "aa1a07b"  # issue 6's distributed Newton-Schulz (muonclip_jax/sharding.py)
+
+
+def issue6_module(rev: str) -> types.ModuleType:
+  """Issue 6's ``muonclip_jax/sharding.py`` at git revision ``rev``, as a module of the package."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  src = subprocess.run(["git", "show", f"{rev}:muonclip_jax/sharding.py"], cwd=root, check=True,
+                       capture_output=True, text=True).stdout
+  module = types.ModuleType("muonclip_jax._issue6_sharding")
+  module.__package__ = "muonclip_jax"
+  exec(compile(src, f"{rev}:muonclip_jax/sharding.py", "exec"), module.__dict__)  # noqa: S102
+  return module
+
+
+def _matrix_axes(x) -> tuple:
+  nd = len(x.shape)
+  return tuple(range(nd - 2)), (nd - 2,), (nd - 1,)
+
+
+def planner_leaves(layers: list[tuple[dict, int]], mesh) -> list:
+  """``_ns_planner.describe`` of every matrix of ``[(layer, count)]`` (float32) on ``mesh``."""
+  out = []
+  for layer, count in layers:
+    for shape, names in layer.values():
+      spec = sharding.logical_to_spec(names, shape, mesh)
+      x = jax.ShapeDtypeStruct(shape, jnp.float32)
+      out += [_ns_planner.describe(shape, _matrix_axes(x), tuple(spec), dict(mesh.shape), "float32", 4)] * count
+  return out
+
+
+def compiled_ns(orthogonalize, params: dict, shardings: dict | None, mesh: Mesh | None) -> tuple[float, float]:
+  """(FLOPs, comm bytes) of one device's compiled distributed Newton–Schulz, loops unrolled."""
+  xs = jax.tree.leaves(params)
+  axes = [_matrix_axes(x) for x in xs]
+  ns = functools.partial(_newton_schulz.newton_schulz, **DEFAULT_NS)
+  if mesh is None:  # one device: every matrix
+    fn = lambda *a: [ns(x) for x in a]
+  else:
+    ss = jax.tree.leaves(shardings)
+    xs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(xs, ss)]
+    fn = lambda *a: orthogonalize(list(a), axes, ns, mesh=mesh, shardings=ss)
+  with unrolled_loops():
+    compiled = jax.jit(fn).lower(*xs).compile()
+  comm, _ = communication(compiled.as_text(), 1 if mesh is None else mesh.size)
+  return compiled.cost_analysis()["flops"], comm
+
+
+def compare(name: str, layers: list[tuple[dict, int]], mesh_shape: tuple, axes: tuple, baseline) -> None:
+  """One row: issue 6 vs this scheme (compiled and planned), LPT bound, ideal."""
+  mesh = Mesh(np.array(jax.devices()[:int(np.prod(mesh_shape))]).reshape(mesh_shape), axes)
+  params, names = {}, {}
+  for li, (layer, count) in enumerate(layers):
+    p, n = model_shapes.model(layer, count)
+    params.update({f"{li}/{k}": v for k, v in p.items()})
+    names.update({f"{li}/{k}": v for k, v in n.items()})
+  ps = sharding.param_shardings(params, mesh, logical_axes=names)
+  one, _ = compiled_ns(None, params, None, None)
+  old, old_comm = compiled_ns(baseline.orthogonalize_sharded, params, ps, mesh)
+  flops = _distributed_ns.ns_flops_of(DEFAULT_NS)
+  new, new_comm = compiled_ns(functools.partial(_distributed_ns.orthogonalize_sharded, flops=flops), params, ps, mesh)
+  fig = _ns_planner.figures(planner_leaves(layers, mesh), dict(mesh.shape), flops)
+  total = fig["new"].total
+  print(f"| {name} | {' x '.join(f'{a} {s}' for a, s in zip(axes, mesh_shape))} | {old / one:.3f} | {new / one:.3f} "
+        f"| {fig['new'].flops / total:.3f} | {fig['lpt'].flops / total:.3f} | {1 / mesh.size:.3f} "
+        f"| {new / one / (fig['lpt'].flops / total):.3f} | {old_comm / 1e6:.1f} | {new_comm / 1e6:.1f} "
+        f"| {fig['new'].comm / 1e6:.1f} |", flush=True)
+
+
+COMPARE_HEADER = ("| set | mesh | issue 6 | new | new (planner) | LPT bound | ideal | new / LPT | comm MB issue 6 "
+                  "| comm MB new | comm MB planner |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def mla_part(devices: int, baseline) -> None:
+  print(COMPARE_HEADER)
+  if devices >= 64:
+    compare("MLA, 6 layers", [(model_shapes.MLA_1024, 6)], (8, 8), ("data", "model"), baseline)
+    return
+  for layers in (3, 4):
+    for shape, axes in (((2, 4), ("data", "model")), ((2, 4), ("fsdp", "model"))):
+      compare(f"MLA, {layers} layers", [(model_shapes.MLA_1024, layers)], shape, axes, baseline)
+
+
+# One MoE layer: the MLA attention of MLA_1024, 16 routed experts of 704 and a shared one.
+MOE_LAYER = {**model_shapes.mla_attention(1024, 8, 384, 256, 64, 32, 64), **model_shapes.experts(1024, 704, 16),
+             **model_shapes.mlp(1024, 704, "shared/")}
+
+
+def moe_part(baseline) -> None:
+  print(COMPARE_HEADER)
+  for shape, axes in (((2, 4), ("data", "model")), ((2, 4), ("fsdp", "model")), ((1, 8), ("data", "model"))):
+    compare("MoE layer (16 experts)", [(MOE_LAYER, 1)], shape, axes, baseline)
+
+
+PLANNER_MESHES = {8: ((8,), ("model",)), 64: ((8, 8), ("fsdp", "model")), 256: ((32, 8), ("fsdp", "model")),
+                  1024: ((8, 16, 8), ("data", "fsdp", "model"))}
+
+
+def planner_part() -> None:
+  flops = _distributed_ns.ns_flops_of(DEFAULT_NS)
+  print("| model | devices (mesh) | matrices | new | LPT bound | issue 6 | Moonlight | comm GB new | issue 6 "
+        "| Moonlight |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+  for model, layers in (("DeepSeek-V3-like", model_shapes.deepseek_v3()), ("dense 70B-like", model_shapes.dense_70b())):
+    for devices, (shape, axes) in PLANNER_MESHES.items():
+      mesh = AbstractMesh(shape, axes)
+      leaves = planner_leaves(layers, mesh)
+      fig = _ns_planner.figures(leaves, dict(mesh.shape), flops)
+      over = {k: f.over_ideal(devices) for k, f in fig.items()}
+      print(f"| {model} | {devices} ({' x '.join(f'{a} {s}' for a, s in zip(axes, shape))}) "
+            f"| {sum(lf.count for lf in leaves)} | {over['new']:.3f} | {over['lpt']:.3f} | {over['grouped']:.3f} "
+            f"| {over['repeated']:.0f} | {fig['new'].comm / 1e9:.2f} | {fig['grouped'].comm / 1e9:.2f} "
+            f"| {fig['repeated'].comm / 1e9:.2f} |", flush=True)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--part", choices=("gpt2", "mla", "moe", "planner"), default="gpt2")
+  parser.add_argument("--devices", type=int, default=8, help="fake CPU devices (mla: 64 for the 8x8 mesh)")
+  parser.add_argument("--baseline", default=BASELINE, help="git revision of issue 6's sharding.py")
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--dim", type=int, default=768)
   args = parser.parse_args()
+  jax.config.update("jax_num_cpu_devices", args.devices)
+  print(f"jax {jax.__version__}, {args.devices} CPU devices, part {args.part}")
+  if args.part == "planner":
+    return planner_part()
+  if args.part == "mla":
+    return mla_part(args.devices, issue6_module(args.baseline))
+  if args.part == "moe":
+    return moe_part(issue6_module(args.baseline))
+  gpt2_part(args)
+
+
+def gpt2_part(args) -> None:
   params, names = gpt2_hidden_matrices(args.layers, args.dim)
   contenders = {
       "optax.contrib.muon": lambda ps: contrib.muon(1.0, ns_steps=5, beta=0.95, nesterov=True, consistent_rms=0.2,

@@ -24,7 +24,7 @@ import optax
 
 from . import _newton_schulz
 from ._routing import MatrixAxesSpec, matrix_axes_lookup, matrix_dims, path_str
-from .sharding import check_target, orthogonalize_leaves_sharded
+from ._distributed_ns import check_target, orthogonalize_leaves_sharded
 
 RMS_MODES = ("moonlight", "keller", None)
 
@@ -89,16 +89,22 @@ def _after(tree: Any, done: list) -> Any:
 
 
 def orthogonalize_leaves(gs: list, ms: list, specs: list, direction: Any, finish: Any, *,
-                         batch: int | None, **ns_kwargs: Any) -> list:
+                         batch: int | None, target: Any = None, paths: Any = (), **ns_kwargs: Any) -> list:
   """``finish(i, NewtonSchulz(direction(g_i, m_i)))`` for every leaf pair ``(g_i, m_i)``.
 
-  ``specs[i]`` is leaf ``i``'s ``(batch, fan_in, fan_out)`` axes. Matrices of the same
+  ``specs[i]`` is leaf ``i``'s ``(batch, fan_in, fan_out)`` axes. With ``target`` (a
+  ``Mesh`` or the leaves' ``NamedSharding``s matched by ``paths``) each matrix is
+  orthogonalized on one device of the mesh (``_distributed_ns``; ``batch`` is not used).
+  Otherwise matrices of the same
   ``min x max`` size and dtype (tall ones transposed) are grouped, in leaf order, into
   calls of at most ``batch`` matrices (``None``: no limit; a stacked leaf with more goes
   through ``lax.map`` in slices of ``batch``). The calls run one after another: each call's
   inputs depend on the previous call's finished leaves (``_after``), so XLA keeps the
   temporaries of one call alive at a time instead of scheduling all calls at once.
   """
+  if target is not None:
+    return orthogonalize_leaves_sharded(gs, ms, specs, direction, finish, paths=paths, target=target,
+                                        ns_kwargs=ns_kwargs)
   keys, counts = [], []
   for g, (b, fi, fo) in zip(gs, specs):
     r = math.prod(g.shape[a] for a in fi)
@@ -217,9 +223,9 @@ def scale_by_muon(
       its parameter's layout, as XLA partitions it (on a mesh every device repeats much of
       the work). A pytree of the params' ``NamedSharding`` (``sharding.param_shardings``,
       matched by path): every matrix is orthogonalized on one device of their mesh and its
-      result returned in its parameter's sharding (``sharding.orthogonalize_sharded``;
-      ``ns_batch`` is not used). A ``jax.sharding.Mesh``: the same, but each matrix is
-      all-gathered first. Use under ``jax.jit`` with the params on that mesh.
+      result returned in its parameter's sharding, matrices placed by FLOPs over the
+      devices (``sharding.orthogonalize_sharded``; ``ns_batch`` is not used). A
+      ``jax.sharding.Mesh``: the same, but each matrix is all-gathered first. Use under ``jax.jit`` with the params on that mesh.
 
   Returns:
     An ``optax.GradientTransformation`` whose state holds only the momentum.
@@ -267,14 +273,9 @@ def scale_by_muon(
     def finish(i, o):
       return (o * rms_factor(rms_match, rms_scale, specs[i][3], specs[i][4])).astype(flat[i][1].dtype)
 
-    if shard_orthogonalization is not None:
-      new = orthogonalize_leaves_sharded(
-          [g for _, g in flat], flat_mu, [s[:3] for s in specs], direction, finish,
-          paths=[path_str(p) for p, _ in flat], target=shard_orthogonalization,
-          ns=lambda x: _newton_schulz.newton_schulz(x, **ns_kwargs))
-      return jax.tree_util.tree_unflatten(treedef, new), ScaleByMuonState(mu=mu)
     new = orthogonalize_leaves([g for _, g in flat], flat_mu, [s[:3] for s in specs], direction, finish,
-                               batch=batch, **ns_kwargs)
+                               batch=batch, target=shard_orthogonalization,
+                               paths=[path_str(p) for p, _ in flat], **ns_kwargs)
     return jax.tree_util.tree_unflatten(treedef, new), ScaleByMuonState(mu=mu)
 
   return optax.GradientTransformation(init_fn, update_fn)
