@@ -93,7 +93,17 @@ def muon_adamw(
     adam_b1, adam_b2, adam_eps: AdamW moments (Moonlight: 0.9, 0.95, 1e-8).
     adam_weight_decay: AdamW's decoupled weight decay; defaults to ``weight_decay``.
     **muon_options: Muon's other options (see ``muon`` and ``scale_by_muon``);
-      ``mu_dtype`` applies to AdamW's first moment too.
+      ``mu_dtype`` applies to AdamW's first moment too, and so does ``weight_decay_mask``
+      to AdamW's weight decay (below).
+
+  ``weight_decay_mask`` (as in ``optax.add_decayed_weights``: ``True`` where a leaf is
+  decayed) applies to both halves. A pytree mask has the structure of the whole params:
+  each half reads the mask's entries at its own leaves. A callable is called once per half
+  with that half's sub-tree of the params, the ``optax.partition`` view in which the
+  other half's leaves are ``optax.MaskedNode()`` (empty nodes without leaves), and must
+  return a mask of that sub-tree's structure: ``jax.tree.map`` or
+  ``jax.tree_util.tree_map_with_path`` over its argument does, e.g.
+  ``lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)`` to decay no bias or norm scale.
   """
   adam_wd = weight_decay if adam_weight_decay is None else adam_weight_decay
   check_number("adam_weight_decay", adam_wd, low=0.0)
@@ -106,6 +116,7 @@ def muon_adamw(
           eps=adam_eps,
           weight_decay=adam_wd,
           mu_dtype=muon_options.get("mu_dtype"),
+          mask=muon_options.get("weight_decay_mask"),
       ),
   }
   return optax.partition(transforms, muon_labels if labels is None else labels)

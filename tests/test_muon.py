@@ -262,3 +262,26 @@ def test_zero_gradient_gives_zero_update_and_nan_leaf_is_isolated():
 def test_bad_hyperparameters(factory, kwargs, match):
   with pytest.raises(ValueError, match=match):
     factory(LR, **kwargs)
+
+
+def test_weight_decay_mask_reaches_both_halves_of_muon_adamw():
+  # Zero gradients: the update is the weight decay alone (-lr * wd * theta where decayed).
+  params = {"embed": {"embedding": jnp.ones((8, 4))}, "dense": {"kernel": jnp.ones((4, 6)), "bias": jnp.ones((6,))},
+            "norm": {"scale": jnp.ones((4,))}}
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  labels = mc.muon_labels(params)
+  assert labels["dense"]["kernel"] == "muon" and labels["embed"]["embedding"] == "adam"
+
+  def update(**kw):
+    opt = mc.muon_adamw(1.0, weight_decay=0.1, **kw)
+    return jax.tree.map(lambda u: round(float(u.ravel()[0]), 6), opt.update(zeros, opt.init(params), params)[0])
+
+  decayed = {"embed": {"embedding": -0.1}, "dense": {"kernel": -0.1, "bias": -0.1}, "norm": {"scale": -0.1}}
+  assert update() == decayed
+  none = jax.tree.map(lambda _: 0.0, decayed)
+  assert update(weight_decay_mask=jax.tree.map(lambda _: False, params)) == none
+  assert update(weight_decay_mask=lambda p: jax.tree.map(lambda _: False, p)) == none
+  # matrices only (embedding and kernel), as a callable and as a whole-params pytree
+  matrices = {"embed": {"embedding": -0.1}, "dense": {"kernel": -0.1, "bias": 0.0}, "norm": {"scale": 0.0}}
+  assert update(weight_decay_mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)) == matrices
+  assert update(weight_decay_mask=jax.tree.map(lambda x: x.ndim >= 2, params)) == matrices
