@@ -82,13 +82,16 @@ def test_tau_schedule_in_muonclip_and_in_make_train_step():
   loss_fn, params = make_loss_fn(MLA), init_params(MLA)
   schedule = optax.linear_schedule(3.0, 1.5, 2)  # 3.0, 2.25, 1.5
   opt = mc.muonclip(0.05, layout=MLA.layout, qk_clip_threshold=schedule, matrix_axes=AXES)
-  step = jax.jit(training.make_train_step(loss_fn, opt))
+  # no qk_clip_threshold: the metrics and the exact clip take the optimizer's tau of the step
+  step = jax.jit(training.make_train_step(loss_fn, opt, layout=MLA.layout, exact_clip=True))
   state, p = opt.init(params), params
   for t, batch in enumerate(batches(3)):
     num_clipped, _ = _stats(loss_fn, p, batch, float(schedule(t)))
     p, state, metrics = step(p, state, batch)
     assert float(metrics["qk_clip_threshold"]) == float(schedule(t))
     assert int(metrics["num_clipped"]) == num_clipped
+    worst = max(float(jnp.max(s)) for s in collect_max_logits(loss_fn(p, batch)[1]).values())
+    assert worst <= float(schedule(t)) * (1 + 1e-4)
   # a schedule given to make_train_step, for the exact clip after a Muon step without clip
   opt = mc.muon_adamw(0.05, matrix_axes=AXES)
   step = jax.jit(training.make_train_step(loss_fn, opt, qk_clip_threshold=schedule, layout=MLA.layout,
