@@ -8,6 +8,7 @@ from ._layouts import GQALayout as GQALayout
 from ._layouts import MLALayout as MLALayout
 from ._muon import ScaleByMuonState as ScaleByMuonState
 from ._muon import scale_by_muon as scale_by_muon
+from ._muonclip import QKClipState as QKClipState
 from ._muonclip import muonclip as muonclip
 from ._muonclip import qk_clip_transform as qk_clip_transform
 from ._newton_schulz import newton_schulz as newton_schulz

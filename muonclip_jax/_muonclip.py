@@ -10,14 +10,15 @@ so that ``optax.apply_updates(params, u')`` gives the clipped parameters.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from ._alias import forwards_options_of, muon_adamw
-from ._qk_clip import _check_layout, qk_clip
+from ._muon import check_number
+from ._qk_clip import _check_layout, qk_clip, qk_clip_stats
 
 _MISSING_MAX_LOGITS = (
     "{name}: max_logits is missing, but the clip threshold is {tau!r}; pass "
@@ -27,13 +28,31 @@ _MISSING_MAX_LOGITS = (
 )
 
 
+class QKClipState(NamedTuple):
+  """State of ``qk_clip_transform``: what the last update did, for logging.
+
+  ``muonclip_jax.training.make_train_step`` reads it (wherever it sits in a chain,
+  ``inject_hyperparams`` or ``multi_steps`` state) to report the clip the optimizer made.
+  """
+
+  count: jax.Array  # shape=(), int32: updates so far (the step a tau schedule is evaluated at)
+  threshold: jax.Array  # shape=(), float32: tau of the last update (+inf: clip off)
+  num_clipped: jax.Array  # shape=(), int32: heads the last update clipped, over all layers
+  min_gamma: jax.Array  # shape=(), float32: smallest factor gamma_h of the last update (1: none)
+
+
 def _clip_is_off(threshold: Any) -> bool:
-  """True for None and a concrete +inf (a traced threshold is always on)."""
+  """True for None and a concrete +inf (a traced threshold or a schedule is always on)."""
   if threshold is None:
     return True
-  if isinstance(threshold, jax.core.Tracer):
+  if isinstance(threshold, jax.core.Tracer) or callable(threshold):
     return False
   return math.isinf(float(threshold)) and float(threshold) > 0
+
+
+def _state(count, threshold, num_clipped=0, min_gamma=1.0) -> QKClipState:
+  return QKClipState(count=jnp.asarray(count, jnp.int32), threshold=jnp.asarray(threshold, jnp.float32),
+                     num_clipped=jnp.asarray(num_clipped, jnp.int32), min_gamma=jnp.asarray(min_gamma, jnp.float32))
 
 
 def qk_clip_transform(threshold: Any, *, layout: Any) -> optax.GradientTransformationExtraArgs:
@@ -43,6 +62,8 @@ def qk_clip_transform(threshold: Any, *, layout: Any) -> optax.GradientTransform
   that ``params + u'`` is ``qk_clip(params + updates, max_logits, threshold, layout)``.
   Only the query/key leaves that ``qk_clip`` changes get ``u' = clipped - params``; every
   other leaf, and every element of a head that is not clipped, keeps its update bit for bit.
+  The state (``QKClipState``) records the tau, the number of clipped heads and the
+  smallest gamma of the last update.
 
   Rounding: for a clipped head, ``params + (clipped - params)`` equals ``clipped`` exactly
   when ``clipped / params`` lies in [1/2, 2] (Sterbenz's lemma: the subtraction is then
@@ -51,30 +72,38 @@ def qk_clip_transform(threshold: Any, *, layout: Any) -> optax.GradientTransform
   ``max(|params|, |clipped|)`` of ``clipped`` (measured in tests/test_muonclip.py).
 
   Args:
-    threshold: tau > 0 (Kimi K2: 100). ``None`` or ``inf`` turns the clip off, and then
-      ``max_logits`` is not needed. May be traced (``optax.inject_hyperparams``).
+    threshold: tau > 0 (Kimi K2: 100), or a schedule: a callable of the update count
+      (0, 1, ...) returning tau (an infinite tau clips nothing). ``None`` or ``inf`` turns
+      the clip off, and then ``max_logits`` is not needed. May be traced
+      (``optax.inject_hyperparams``).
     layout: an ``MLALayout``/``GQALayout`` or a mapping from path patterns to them.
   """
   _check_layout(layout)
-  if threshold is not None and not isinstance(threshold, jax.core.Tracer):
-    value = float(threshold)
-    if math.isnan(value) or value <= 0:
-      raise ValueError(f"qk_clip_threshold must be > 0 (or None/inf for no clip), got {threshold!r}")
+  if threshold is not None and not isinstance(threshold, jax.core.Tracer) and not callable(threshold):
+    check_number("qk_clip_threshold", threshold, low=0.0, low_open=True)  # inf: no clip
+  off = _clip_is_off(threshold)
+
+  def tau_at(count):
+    if off:
+      return jnp.inf
+    return threshold(count) if callable(threshold) else threshold
 
   def init_fn(params):
     del params
-    return optax.EmptyState()
+    return _state(0, tau_at(jnp.zeros((), jnp.int32)))
 
   def update_fn(updates, state, params=None, *, max_logits=None, **extra_args):
     del extra_args
-    if _clip_is_off(threshold):
-      return updates, state
+    count = optax.safe_increment(state.count)
+    if off:
+      return updates, _state(count, jnp.inf)
     if params is None:
       raise ValueError("qk_clip_transform: params are required (opt.update(grads, state, params, ...))")
     if max_logits is None:
       raise ValueError(_MISSING_MAX_LOGITS.format(name="qk_clip_transform", tau=threshold))
+    tau = jnp.asarray(tau_at(state.count), jnp.float32)
     stepped = optax.apply_updates(params, updates)
-    clipped = qk_clip(stepped, max_logits, threshold=threshold, layout=layout)
+    clipped = qk_clip(stepped, max_logits, threshold=tau, layout=layout)
 
     def adjust(u, p, s, c):
       if c is s:  # a leaf qk_clip did not touch
@@ -82,7 +111,10 @@ def qk_clip_transform(threshold: Any, *, layout: Any) -> optax.GradientTransform
       return jnp.where(c == s, u, (c - p).astype(u.dtype))
 
     new_updates = jax.tree.map(adjust, updates, params, stepped, clipped)
-    return new_updates, state
+    stats = qk_clip_stats(max_logits, threshold=tau).values()
+    num_clipped = sum(jnp.sum(s["num_clipped"]) for s in stats)
+    min_gamma = jnp.min(jnp.stack([jnp.min(s["min_gamma"]) for s in stats]))
+    return new_updates, _state(count, tau, num_clipped, min_gamma)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -110,7 +142,8 @@ def muonclip(
     learning_rate: a scalar or schedule, shared by Muon and (by default) AdamW.
     layout: the attention head layout (``module.layout`` of the library's attention
       modules), or a mapping from module-path glob patterns to layouts.
-    qk_clip_threshold: tau (Kimi K2: 100). ``None`` or ``inf`` turns the clip off, and
+    qk_clip_threshold: tau (Kimi K2: 100), or a schedule of the step count (see
+      ``qk_clip_transform``). ``None`` or ``inf`` turns the clip off, and
       ``max_logits`` is then optional; with a finite tau a missing ``max_logits`` is a
       ValueError at trace time, never a silent no-clip.
     **muon_adamw_kwargs: every keyword argument of ``muon_adamw`` (``weight_decay=0.1``,

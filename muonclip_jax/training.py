@@ -1,7 +1,7 @@
 """The reference MuonClip train step: forward with max-logit capture, gradients, update, clip.
 
-``make_train_step`` builds a pure ``step(params, opt_state, batch) -> (params, opt_state,
-metrics)`` to be wrapped in ``jax.jit``. It works with any Optax optimizer (AdamW, Muon,
+``make_train_step`` builds a pure ``step(params, opt_state, batch, rng=None) -> (params,
+opt_state, metrics)`` to be wrapped in ``jax.jit``. It works with any Optax optimizer (AdamW, Muon,
 MuonClip): the per-head maxima of the forward pass are handed to the optimizer as the extra
 argument ``max_logits`` (ignored by optimizers that do not take it), as in Kimi K2
 (arXiv 2507.20534), Algorithm 1. Everything stays on device: no host synchronization.
@@ -9,17 +9,21 @@ argument ``max_logits`` (ignored by optimizers that do not take it), as in Kimi 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from ._accumulation import merge_max_logits
+from ._muon import check_number
+from ._muonclip import QKClipState
 from ._qk_clip import collect_max_logits, nest_max_logits, qk_clip, qk_clip_stats
 
-LossFn = Callable[[Any, Any], tuple[jax.Array, Any]]
+LossFn = Callable[..., tuple[jax.Array, Any]]
 
 
 def clip_metrics(maxima: dict[str, jax.Array], threshold: Any) -> dict[str, Any]:
@@ -42,12 +46,80 @@ def clip_metrics(maxima: dict[str, jax.Array], threshold: Any) -> dict[str, Any]
 
 
 def _split_microbatches(batch: Any, k: int) -> Any:
-  def split(x):
-    if x.shape[0] % k:
-      raise ValueError(f"make_train_step: batch leading size {x.shape[0]} is not divisible by num_microbatches={k}")
+  def split(path, x):
+    if jnp.ndim(x) == 0 or x.shape[0] % k:
+      raise ValueError(
+          f"make_train_step: batch leaf {jax.tree_util.keystr(path)} of shape {jnp.shape(x)} has no leading "
+          f"axis divisible by num_microbatches={k} (pass a dropout key as step(..., rng=key), not in the batch)")
     return x.reshape(k, x.shape[0] // k, *x.shape[1:])
 
-  return jax.tree.map(split, batch)
+  return jax.tree_util.tree_map_with_path(split, batch)
+
+
+def _split_output(out: Any) -> tuple[jax.Array, Any, Any]:
+  """``loss_fn``'s ``(loss, intermediates)`` or ``(loss, (intermediates, aux))``."""
+  if not (isinstance(out, tuple) and len(out) == 2):
+    raise TypeError(f"make_train_step: loss_fn must return (loss, intermediates) or (loss, (intermediates, aux)), "
+                    f"got {type(out).__name__}")
+  loss, rest = out
+  if isinstance(rest, (tuple, list)):
+    if len(rest) != 2:
+      raise TypeError(f"make_train_step: loss_fn returned (loss, <{type(rest).__name__} of {len(rest)}>); "
+                      "expected (loss, intermediates) or (loss, (intermediates, aux))")
+    return loss, rest[0], rest[1]
+  return loss, rest, None
+
+
+def _clip_state(opt_state: Any) -> QKClipState | None:
+  """The ``QKClipState`` inside an optimizer state (muonclip's clip), or None."""
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, QKClipState))
+           if isinstance(x, QKClipState)]
+  if len(found) > 1:
+    raise ValueError(f"make_train_step: the optimizer has {len(found)} QK-Clip transforms; the metrics and "
+                     "exact_clip need one tau")
+  return found[0] if found else None
+
+
+def _step_count(opt_state: Any) -> jax.Array:
+  """The optimizer's step count: its QK-Clip count, else the first ``count`` in its state."""
+  clip = _clip_state(opt_state)
+  if clip is not None:
+    return clip.count
+  counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+  if not counts:
+    raise ValueError("make_train_step: a qk_clip_threshold schedule needs a step count, but the optimizer "
+                     "state has no 'count' field; pass a number, or a schedule to muonclip(qk_clip_threshold=...)")
+  return counts[0][1]
+
+
+def _learning_rates(opt_state: Any) -> Any:
+  """The injected learning rate(s) (``optax.inject_hyperparams``): one array, a dict by path, or None."""
+  found = optax.tree_utils.tree_get_all_with_path(opt_state, "learning_rate")
+  found = [(jax.tree_util.keystr(p, simple=True, separator="/"), v) for p, v in found
+           if isinstance(v, (jax.Array, np.ndarray)) and v.ndim == 0]  # not the schedules' states
+  if len(found) <= 1:
+    return found[0][1] if found else None
+  return dict(found)
+
+
+def metrics_to_floats(metrics: Any) -> dict[str, float]:
+  """A flat ``{name: float}`` of a step's metrics, for logging (``json.dumps`` takes it).
+
+  Nested keys are joined with ``/`` and every array element gets its index, e.g.
+  ``max_logit_per_layer/layers/attn/0``. One host transfer (``jax.device_get``); call it
+  outside the jitted step. NaN and infinities stay (``json`` writes them as ``NaN`` and
+  ``Infinity``).
+  """
+  flat = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(jax.device_get(metrics))[0]:
+    name = jax.tree_util.keystr(path, simple=True, separator="/")
+    values = np.asarray(leaf, np.float64)
+    if values.ndim == 0:
+      flat[name] = float(values)
+    for index in np.ndindex(values.shape if values.ndim else ()):
+      if values.ndim:
+        flat[f"{name}/{'/'.join(map(str, index))}"] = float(values[index])
+  return flat
 
 
 def make_train_step(
@@ -59,89 +131,178 @@ def make_train_step(
     num_microbatches: int = 1,
     compute_dtype: Any = None,
     exact_clip: bool = False,
-) -> Callable[[Any, Any, Any], tuple[Any, Any, dict[str, Any]]]:
-  """Builds ``step(params, opt_state, batch) -> (params, opt_state, metrics)``.
+) -> Callable[..., tuple[Any, Any, dict[str, Any]]]:
+  """Builds ``step(params, opt_state, batch, rng=None) -> (params, opt_state, metrics)``.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> (loss, intermediates)``, where ``intermediates``
       is the collection of ``model.apply({"params": params}, ..., mutable=["intermediates"])``
-      (its ``max_logits`` leaves are what QK-Clip needs).
-    optimizer: any Optax optimizer; ``muonclip`` clips inside its update.
-    qk_clip_threshold: tau used for the metrics (and for ``exact_clip``); pass the
-      optimizer's tau. ``None``: no clip is counted.
+      (its ``max_logits`` leaves are what QK-Clip needs). It may return
+      ``(loss, (intermediates, aux))``: ``aux`` (a pytree of arrays, e.g. accuracy) comes
+      back as ``metrics["aux"]``, averaged over microbatches like the loss. When the step
+      is called with ``rng``, it is called as ``loss_fn(params, batch, rng)`` (dropout).
+    optimizer: any Optax optimizer; ``muonclip`` clips inside its update, and the step
+      reads what it did from its ``QKClipState``, wherever it sits in the state.
+    qk_clip_threshold: tau for the metrics when the optimizer does not clip, and for
+      ``exact_clip``: a number, or a schedule evaluated at the optimizer's step count (the
+      ``count`` of its ``QKClipState``, else the first ``count`` in its state). ``None``:
+      the optimizer's tau (muonclip's, a schedule included), or no clip counted when the
+      optimizer does not clip. When the optimizer clips, the metrics always report its tau
+      and its clip, whatever is given here.
     layout: the attention layout; needed only with ``exact_clip``.
     num_microbatches: k > 1 splits the batch's leading axis into k microbatches and scans
       over them (``lax.scan``): gradients are averaged, maxima combined by maximum, and
-      the optimizer (hence the clip) runs once, on the whole step's maxima.
+      the optimizer (hence the clip) runs once, on the whole step's maxima. ``rng`` is
+      split into k keys, one per microbatch.
     compute_dtype: e.g. ``jnp.bfloat16``: the forward/backward pass runs on a copy of the
       (float32 master) params cast to this dtype; gradients, the update and the clip act
       on the master params, and the next step's copy is cast from them again.
     exact_clip: Kimi K2 clips with the maxima of the step's forward pass, which saw the
       weights before the update, so on the step's batch the updated weights can overshoot
-      tau a little. With ``exact_clip=True`` the step runs one more forward pass (no
-      gradient) with the updated params on the same batch and applies ``qk_clip`` with
-      those maxima, so every head's max logit on the step's batch is at most tau after the
-      step. Costs one forward pass; use it with ``muon_adamw`` (or with ``muonclip``,
-      which then clips twice).
+      tau. With ``exact_clip=True`` the step then measures the updated params' maxima on the
+      same batch (a forward pass without gradient) and clips with them, repeating until no
+      head is above tau (1 + rtol), at most once per attention layer (``exact_qk_clip``):
+      after the step every head's max logit on the step's batch is at most tau (1 + rtol),
+      for any depth (rtol = 1e-4, or the machine epsilon of a lower-precision
+      ``compute_dtype``/param dtype). Costs one forward pass, more when clipping a layer
+      pushes a later one above tau (metric ``exact_clip_passes``); use it with
+      ``muon_adamw`` (or with ``muonclip``, which then clips twice).
 
   Returns:
-    The step function. ``metrics`` holds ``loss``, the forward pass's ``max_logit``,
+    The step function; ``rng`` (optional) is a key handed to ``loss_fn`` (split per
+    microbatch). ``metrics`` holds ``loss``, ``grad_norm`` (global norm of the averaged
+    gradient, before the optimizer), the forward pass's ``max_logit``,
     ``max_logit_per_layer``, ``num_clipped``, ``clipped_fraction``, ``min_gamma`` (see
-    ``clip_metrics``).
+    ``clip_metrics``; counted with the optimizer's tau when it clips), and when they apply:
+    ``qk_clip_threshold`` (the tau of those counts), ``learning_rate`` (the optimizer's,
+    when injected with ``optax.inject_hyperparams``; a dict by state path when several
+    are), ``aux`` (``loss_fn``'s extra outputs) and ``exact_clip_passes`` (int32, the
+    forward passes the exact clip took, 1 to the number of attention layers).
+    ``metrics_to_floats`` turns them into a flat dict of floats for logging.
   """
   if not isinstance(num_microbatches, int) or num_microbatches < 1:
     raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
-  if exact_clip and (qk_clip_threshold is None or layout is None):
-    raise ValueError("make_train_step: exact_clip=True needs qk_clip_threshold and layout")
+  if qk_clip_threshold is not None and not callable(qk_clip_threshold):
+    check_number("qk_clip_threshold", qk_clip_threshold, low=0.0, low_open=True)
+  if exact_clip and layout is None:
+    raise ValueError("make_train_step: exact_clip=True needs the layout")
   opt = optax.with_extra_args_support(optimizer)
+  k = num_microbatches
 
-  def forward(params, batch):
+  def forward(params, batch, rng):
     compute = params if compute_dtype is None else optax.tree.cast(params, compute_dtype)
-    loss, intermediates = loss_fn(compute, batch)
-    return loss.astype(jnp.float32), collect_max_logits(intermediates)
+    loss, intermediates, aux = _split_output(loss_fn(compute, batch) if rng is None else loss_fn(compute, batch, rng))
+    return loss.astype(jnp.float32), (collect_max_logits(intermediates), aux)
 
   grad_fn = jax.value_and_grad(forward, has_aux=True)
 
-  def loss_grads_maxima(params, batch):
-    if num_microbatches == 1:
-      (loss, maxima), grads = grad_fn(params, batch)
-      return loss, grads, maxima
-    micro = _split_microbatches(batch, num_microbatches)
-    first = jax.tree.map(lambda x: x[0], micro)
-    _, maxima_shape = jax.eval_shape(forward, params, first)
+  def loss_grads_maxima(params, batch, rng):
+    if k == 1:
+      (loss, (maxima, aux)), grads = grad_fn(params, batch, rng)
+      return loss, grads, maxima, aux
+    micro = (_split_microbatches(batch, k), None if rng is None else jax.random.split(rng, k))
+    _, (maxima_shape, aux_shape) = jax.eval_shape(forward, params, *jax.tree.map(lambda x: x[0], micro))
     init = (
         jnp.zeros((), jnp.float32),
         jax.tree.map(jnp.zeros_like, params),
         {m: jnp.full(s.shape, -jnp.inf, jnp.float32) for m, s in maxima_shape.items()},
+        jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)), aux_shape),
     )
 
     def body(carry, mb):
-      loss_sum, grad_sum, running = carry
-      (loss, maxima), grads = grad_fn(params, mb)
+      loss_sum, grad_sum, running, aux_sum = carry
+      (loss, (maxima, aux)), grads = grad_fn(params, *mb)
       grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
-      return (loss_sum + loss, grad_sum, merge_max_logits(running, maxima)), None
+      aux_sum = jax.tree.map(lambda a, b: a + b.astype(a.dtype), aux_sum, aux)
+      return (loss_sum + loss, grad_sum, merge_max_logits(running, maxima), aux_sum), None
 
-    (loss_sum, grad_sum, maxima), _ = jax.lax.scan(body, init, micro)
-    grads = jax.tree.map(lambda g: (g / num_microbatches).astype(g.dtype), grad_sum)
-    return loss_sum / num_microbatches, grads, maxima
+    (loss_sum, grad_sum, maxima, aux_sum), _ = jax.lax.scan(body, init, micro)
+    grads = jax.tree.map(lambda g: (g / k).astype(g.dtype), grad_sum)
+    return loss_sum / k, grads, maxima, jax.tree.map(lambda a: a / k, aux_sum)
 
-  def step(params, opt_state, batch):
-    loss, grads, maxima = loss_grads_maxima(params, batch)
+  def step(params, opt_state, batch, rng=None):
+    loss, grads, maxima, aux = loss_grads_maxima(params, batch, rng)
+    given = qk_clip_threshold(_step_count(opt_state)) if callable(qk_clip_threshold) else qk_clip_threshold
     updates, opt_state = opt.update(grads, opt_state, params, max_logits=nest_max_logits(maxima))
     params = optax.apply_updates(params, updates)
-    metrics = {"loss": loss, **clip_metrics(maxima, qk_clip_threshold)}
+    clip = _clip_state(opt_state)
+    tau = clip.threshold if clip is not None else given
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **clip_metrics(maxima, tau)}
+    if tau is not None:
+      metrics["qk_clip_threshold"] = jnp.asarray(tau, jnp.float32)
+    learning_rate = _learning_rates(opt_state)
+    if learning_rate is not None:
+      metrics["learning_rate"] = learning_rate
+    if aux is not None:
+      metrics["aux"] = aux
     if exact_clip:
-      after = jax.lax.stop_gradient(_maxima_on(forward, params, batch, num_microbatches))
-      params = qk_clip(params, nest_max_logits(after), threshold=qk_clip_threshold, layout=layout)
+      tau = given if given is not None else tau
+      if tau is None:
+        raise ValueError("make_train_step: exact_clip=True needs qk_clip_threshold, or an optimizer that clips "
+                         "(muonclip), whose tau it then uses")
+      measure = lambda p: _maxima_on(forward, p, batch, rng, k)
+      params, metrics["exact_clip_passes"] = exact_qk_clip(
+          params, measure, threshold=tau, layout=layout, rtol=_exact_rtol(params, compute_dtype))
     return params, opt_state, metrics
 
   return step
 
 
-def _maxima_on(forward, params, batch, num_microbatches):
+def _maxima_on(forward, params, batch, rng, k):
   """The maxima of a gradient-free forward pass over the whole batch (microbatch by microbatch)."""
-  if num_microbatches == 1:
-    return forward(params, batch)[1]
-  micro = _split_microbatches(batch, num_microbatches)
-  maxima = jax.lax.map(lambda mb: forward(params, mb)[1], micro)
+  params = jax.lax.stop_gradient(params)
+  if k == 1:
+    return forward(params, batch, rng)[1][0]
+  micro = (_split_microbatches(batch, k), None if rng is None else jax.random.split(rng, k))
+  maxima = jax.lax.map(lambda mb: forward(params, *mb)[1][0], micro)
   return {m: jnp.max(v, axis=0) for m, v in maxima.items()}
+
+
+def _exact_rtol(params: Any, compute_dtype: Any) -> float:
+  """1e-4, or the machine epsilon of the forward's lowest-precision float dtype if larger."""
+  dtypes = [jnp.dtype(compute_dtype)] if compute_dtype is not None else [
+      jnp.result_type(x) for x in jax.tree.leaves(params) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+  return max([1e-4] + [float(jnp.finfo(d).eps) for d in dtypes])
+
+
+def exact_qk_clip(params: Any, measure: Callable[[Any], dict[str, jax.Array]], *, threshold: Any,
+                  layout: Any, rtol: float = 1e-4) -> tuple[Any, jax.Array]:
+  """QK-Clip until the params' own maxima are at most tau (1 + rtol), for any depth.
+
+  Clipping attention layer l changes the input of the layers after it, so one clip with the
+  maxima of one forward pass bounds only the first layer. This repeats: measure the maxima
+  of ``params`` (``measure(params) -> {module: (*stack, H)}``, a gradient-free forward pass
+  on the step's batch), and clip every head above ``tau (1 + rtol)`` to tau, until no head
+  is above it, or at most ``L`` times, ``L`` the number of attention layers (rows of the
+  maxima: modules times stacked layers). After clip ``k`` the first ``k`` attention layers
+  (in the order of the forward pass) are at most tau and are never touched again, so the
+  inputs of layer ``k + 1`` are fixed: ``L`` clips bound every layer. This holds when each
+  attention layer's logits depend only on its own and earlier layers' query/key weights;
+  an attention module whose weights are applied more than once in the forward pass
+  (weight sharing across depth) is not covered by the bound.
+
+  Inside jit, no host sync (``lax.while_loop``). Returns ``(params, passes)``: ``passes``
+  (int32, 1 to L) is the number of forward passes taken; the last clip needs no forward
+  pass after it (it is the L-th clip, or clips nothing).
+  """
+  maxima = measure(params)
+  num_layers = sum(math.prod(s.shape[:-1]) for s in maxima.values())
+  limit = jnp.asarray(threshold, jnp.float32) * (1 + rtol)
+
+  def over(maxima):  # heads within the tolerance keep their weights
+    return nest_max_logits({m: jnp.where(s > limit, s, -jnp.inf) for m, s in maxima.items()})
+
+  def clip(params, maxima):
+    return qk_clip(params, over(maxima), threshold=threshold, layout=layout)
+
+  def cond(carry):
+    _, maxima, passes = carry
+    return (passes < num_layers) & jnp.any(jnp.stack([jnp.any(s > limit) for s in maxima.values()]))
+
+  def body(carry):
+    params, maxima, passes = carry
+    params = clip(params, maxima)
+    return params, measure(params), passes + 1
+
+  params, maxima, passes = jax.lax.while_loop(cond, body, (params, maxima, jnp.ones((), jnp.int32)))
+  return clip(params, maxima), passes

@@ -1,0 +1,168 @@
+"""make_train_step on models deeper than one attention layer: the exact clip, metrics, rng."""
+
+import json
+import pathlib
+import types
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import muonclip_jax as mc
+from muonclip_jax import training
+from muonclip_jax._qk_clip import collect_max_logits
+from _deep_lm import DeepConfig, batches, init_params, make_loss_fn
+
+AXES = mc.MatrixAxes((-2,), (-1,))
+CONFIGS = [DeepConfig(a, s) for a in ("mla", "gqa") for s in (True, False)]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.attention}-{'scan' if c.scan else 'unrolled'}")
+def test_exact_clip_bounds_every_layer_of_a_deep_model(cfg):
+  # tau = 1 sits below the initial max logits (about 2 to 4.6), and Muon at lr 0.05 pushes
+  # them further up: every step clips, in every layer, and clipping layer l moves the input
+  # of layer l+1 (one clip with one forward pass left up to 1.23 tau here).
+  tau, loss_fn = 1.0, make_loss_fn(cfg)
+  opt = mc.muon_adamw(0.05, matrix_axes=AXES)
+  step = jax.jit(training.make_train_step(loss_fn, opt, qk_clip_threshold=tau, layout=cfg.layout, exact_clip=True))
+  params = init_params(cfg)
+  state = opt.init(params)
+  passes = []
+  for batch in batches(3):
+    params, state, metrics = step(params, state, batch)
+    after = collect_max_logits(loss_fn(params, batch)[1])
+    assert sum(s.size // s.shape[-1] for s in after.values()) == cfg.num_layers
+    worst = max(float(jnp.max(s)) for s in after.values())
+    assert worst <= tau * (1 + 1e-4), (worst, int(metrics["exact_clip_passes"]))
+    assert float(metrics["max_logit"]) > tau  # the step's forward pass was above tau
+    passes.append(int(metrics["exact_clip_passes"]))
+    assert metrics["exact_clip_passes"].dtype == jnp.int32
+  assert all(1 <= p <= cfg.num_layers for p in passes), passes
+  assert max(passes) > 1, passes  # the extra passes did the work
+
+
+MLA = DeepConfig("mla", True)
+
+
+def _stats(loss_fn, params, batch, tau):
+  stats = mc.qk_clip_stats(loss_fn(params, batch)[1], threshold=tau).values()
+  return sum(int(jnp.sum(s["num_clipped"])) for s in stats), min(float(jnp.min(s["min_gamma"])) for s in stats)
+
+
+@pytest.mark.parametrize("wrap", ["plain", "chain", "inject"])
+def test_metrics_report_the_clip_of_a_muonclip_optimizer_without_a_threshold(wrap):
+  tau, loss_fn, params = 2.0, make_loss_fn(MLA), init_params(MLA)
+  lr = optax.linear_schedule(0.05, 0.01, 10)
+  if wrap == "inject":
+    opt = optax.inject_hyperparams(mc.muonclip)(learning_rate=lr, layout=MLA.layout, qk_clip_threshold=tau,
+                                                 matrix_axes=AXES)
+  else:
+    opt = mc.muonclip(lr, layout=MLA.layout, qk_clip_threshold=tau, matrix_axes=AXES)
+    if wrap == "chain":
+      opt = optax.chain(optax.clip_by_global_norm(1.0), opt)
+  step = jax.jit(training.make_train_step(loss_fn, opt))  # no qk_clip_threshold: read from the optimizer
+  state = opt.init(params)
+  for batch in batches(2):
+    num_clipped, min_gamma = _stats(loss_fn, params, batch, tau)
+    assert num_clipped > 0
+    params, state, metrics = step(params, state, batch)
+    assert int(metrics["num_clipped"]) == num_clipped
+    assert float(metrics["min_gamma"]) == pytest.approx(min_gamma, rel=1e-6)
+    assert float(metrics["qk_clip_threshold"]) == tau
+    (clip_state,) = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, mc.QKClipState))
+                     if isinstance(x, mc.QKClipState)]
+    assert int(clip_state.num_clipped) == num_clipped
+  assert ("learning_rate" in metrics) == (wrap == "inject")
+  if wrap == "inject":
+    assert float(metrics["learning_rate"]) == pytest.approx(float(lr(1)))
+
+
+def test_tau_schedule_in_muonclip_and_in_make_train_step():
+  loss_fn, params = make_loss_fn(MLA), init_params(MLA)
+  schedule = optax.linear_schedule(3.0, 1.5, 2)  # 3.0, 2.25, 1.5
+  opt = mc.muonclip(0.05, layout=MLA.layout, qk_clip_threshold=schedule, matrix_axes=AXES)
+  # no qk_clip_threshold: the metrics and the exact clip take the optimizer's tau of the step
+  step = jax.jit(training.make_train_step(loss_fn, opt, layout=MLA.layout, exact_clip=True))
+  state, p = opt.init(params), params
+  for t, batch in enumerate(batches(3)):
+    num_clipped, _ = _stats(loss_fn, p, batch, float(schedule(t)))
+    p, state, metrics = step(p, state, batch)
+    assert float(metrics["qk_clip_threshold"]) == float(schedule(t))
+    assert int(metrics["num_clipped"]) == num_clipped
+    worst = max(float(jnp.max(s)) for s in collect_max_logits(loss_fn(p, batch)[1]).values())
+    assert worst <= float(schedule(t)) * (1 + 1e-4)
+  # a schedule given to make_train_step, for the exact clip after a Muon step without clip
+  opt = mc.muon_adamw(0.05, matrix_axes=AXES)
+  step = jax.jit(training.make_train_step(loss_fn, opt, qk_clip_threshold=schedule, layout=MLA.layout,
+                                          exact_clip=True))
+  state, p = opt.init(params), params
+  for t, batch in enumerate(batches(3)):
+    p, state, metrics = step(p, state, batch)
+    assert float(metrics["qk_clip_threshold"]) == float(schedule(t))
+    worst = max(float(jnp.max(s)) for s in collect_max_logits(loss_fn(p, batch)[1]).values())
+    assert worst <= float(schedule(t)) * (1 + 1e-4)
+
+
+def test_dropout_rng_aux_outputs_grad_norm_and_float_metrics_with_microbatches():
+  cfg = DeepConfig("gqa", True, dropout=0.5)
+  base, params = make_loss_fn(cfg), init_params(cfg)
+
+  def loss_fn(p, tokens, rng):
+    loss, intermediates = base(p, tokens, rng)
+    return loss, (intermediates, {"first_token": tokens[0, 0].astype(jnp.float32)})
+
+  opt = optax.adamw(1e-3)
+  step = jax.jit(training.make_train_step(loss_fn, opt, qk_clip_threshold=2.0, num_microbatches=2))
+  batch, rng = batches(1)[0], jax.random.key(7)
+  _, _, metrics = step(params, opt.init(params), batch, rng)
+  keys = jax.random.split(rng, 2)
+  halves = [(batch[:2], keys[0]), (batch[2:], keys[1])]
+  losses = [loss_fn(params, b, r)[0] for b, r in halves]
+  assert float(metrics["loss"]) == pytest.approx(float(sum(losses) / 2), rel=1e-5)
+  assert float(base(params, batch[:2], keys[1])[0]) != pytest.approx(float(losses[0]), rel=1e-5)  # dropout is on
+  grads = [jax.grad(lambda p, b=b, r=r: loss_fn(p, b, r)[0])(params) for b, r in halves]
+  norm = optax.tree.norm(jax.tree.map(lambda a, b: (a + b) / 2, *grads))
+  assert float(metrics["grad_norm"]) == pytest.approx(float(norm), rel=1e-4)
+  assert float(metrics["aux"]["first_token"]) == pytest.approx(float(batch[0, 0] + batch[2, 0]) / 2)
+  assert float(step(params, opt.init(params), batch, jax.random.key(8))[2]["loss"]) != float(metrics["loss"])
+  flat = training.metrics_to_floats(metrics)
+  assert json.loads(json.dumps(flat)) == flat
+  assert all(type(v) is float for v in flat.values())
+  assert flat["aux/first_token"] == float(metrics["aux"]["first_token"])
+  assert [flat[f"max_logit_per_layer/layers/attn/{i}"] for i in range(3)] == (
+      metrics["max_logit_per_layer"]["layers/attn"].tolist())
+  # a key inside the batch cannot be split into microbatches: the error says what to do
+  with pytest.raises(ValueError, match=r"batch leaf \['key'\] of shape \(\) .* step\(\.\.\., rng=key\)"):
+    jax.jit(training.make_train_step(base, opt, num_microbatches=2))(
+        params, opt.init(params), {"tokens": batch, "key": jax.random.key(0)})
+
+
+def _readme_block(heading):
+  """The first python code block of README.md after ``heading``."""
+  text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+  start = text.index("```python\n", text.index(heading)) + len("```python\n")
+  return text[start:text.index("```", start)]
+
+
+def test_readme_scan_and_logging_recipes_run(tmp_path, monkeypatch):
+  import flax.linen as nn
+  from _tiny_lm import BATCHES, CFG, init_params as tiny_params, make_loss_fn as tiny_loss
+  from mla_lm import Block  # on the path once _tiny_lm is imported
+
+  scope = {"Block": Block, "cfg": CFG, "num_layers": CFG.num_layers}
+  exec(_readme_block("**Stack layers with `nn.scan`.**"), scope)
+  x = jnp.ones((1, 8, CFG.dim))
+  variables = scope["layers"].init(jax.random.key(0), x, None)
+  assert nn.get_partition_spec(variables)["params"]["attn"]["wq_b"]["kernel"][0] == "layers"
+  _, state = scope["layers"].apply(variables, x, None, mutable=["intermediates"])
+  assert state["intermediates"]["attn"]["max_logits"].shape == (CFG.num_layers, CFG.num_heads)
+
+  monkeypatch.chdir(tmp_path)
+  scope = {"mc": mc, "jax": jax, "attn": types.SimpleNamespace(layout=CFG.layout), "loss_fn": tiny_loss(CFG),
+           "params": tiny_params(CFG, 0), "batches": BATCHES}
+  exec(_readme_block("**Logging.**"), scope)
+  lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in lines] == [0, 1]
+  assert all(r["qk_clip_threshold"] == 100.0 and r["num_clipped"] == 0.0 and r["loss"] > 0 for r in lines)
+  assert "max_logit_per_layer/layers/attn/1" in lines[0] and "grad_norm" in lines[0]
