@@ -207,11 +207,13 @@ def init_state(optimizer: Any, params: Any, shardings: Any) -> Any:
 
 def jit_train_step(step: Callable, params_shardings: Any, state_shardings: Any, batch_shardings: Any, *,
                    donate: bool = False) -> Callable:
-  """``jax.jit`` of ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` on a mesh.
+  """``jax.jit`` of ``step(params, opt_state, batch, rng=None) -> (params, opt_state, metrics)``.
 
   In and out shardings of params and state are the given ones, so that every step returns
   them in the layout they came in (without ``out_shardings`` XLA chooses output layouts by
-  propagation, and may, e.g., shard a replicated norm scale); metrics are replicated.
+  propagation, and may, e.g., shard a replicated norm scale); metrics and the optional
+  ``rng`` (dropout key of ``make_train_step``) are replicated. The returned function takes
+  ``(params, opt_state, batch)`` or ``(params, opt_state, batch, rng)``.
 
   Args:
     step: e.g. ``muonclip_jax.training.make_train_step(...)``.
@@ -222,6 +224,18 @@ def jit_train_step(step: Callable, params_shardings: Any, state_shardings: Any, 
     donate: donate params and state (their buffers are reused for the outputs).
   """
   mesh = _mesh_of(params_shardings)
-  return jax.jit(step, in_shardings=(params_shardings, state_shardings, batch_shardings),
-                 out_shardings=(params_shardings, state_shardings, NamedSharding(mesh, P())),
-                 donate_argnums=(0, 1) if donate else ())
+  replicated = NamedSharding(mesh, P())
+  # jit applies in_shardings to positional arguments only: rng is passed positionally
+  # (None, an empty pytree, when there is no key).
+  def positional(params, opt_state, batch, rng):
+    return step(params, opt_state, batch) if rng is None else step(params, opt_state, batch, rng)
+
+  jitted = jax.jit(positional,
+                   in_shardings=(params_shardings, state_shardings, batch_shardings, replicated),
+                   out_shardings=(params_shardings, state_shardings, replicated),
+                   donate_argnums=(0, 1) if donate else ())
+
+  def train_step(params: Any, opt_state: Any, batch: Any, rng: Any = None):
+    return jitted(params, opt_state, batch, rng)
+
+  return train_step

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ._accumulation import merge_max_logits
 from ._muon import check_number
@@ -51,9 +52,28 @@ def _split_microbatches(batch: Any, k: int) -> Any:
       raise ValueError(
           f"make_train_step: batch leaf {jax.tree_util.keystr(path)} of shape {jnp.shape(x)} has no leading "
           f"axis divisible by num_microbatches={k} (pass a dropout key as step(..., rng=key), not in the batch)")
-    return x.reshape(k, x.shape[0] // k, *x.shape[1:])
+    return _split_leading(x, k)
 
   return jax.tree_util.tree_map_with_path(split, batch)
+
+
+def _split_leading(x: jax.Array, k: int) -> jax.Array:
+  """``(B, ...) -> (k, B // k, ...)``, microbatch i = rows ``[i B/k, (i+1) B/k)``.
+
+  On a mesh with explicit axes a batch sharded over its leading axis cannot be reshaped
+  without saying where the result lives: each microbatch is sharded like the batch was
+  (or replicated when ``B / k`` does not divide over those devices), so a sharded step
+  sees the same microbatches, in the same order, as a single-device step.
+  """
+  shape = (k, x.shape[0] // k, *x.shape[1:])
+  sharding = jax.typeof(x).sharding
+  spec = tuple(getattr(sharding, "spec", ())) + (None,) * x.ndim
+  if spec[0] is None:
+    return x.reshape(shape)
+  axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+  lead = spec[0] if shape[1] % math.prod(sharding.mesh.shape[a] for a in axes) == 0 else None
+  out = NamedSharding(sharding.mesh, PartitionSpec(None, lead, *spec[1:x.ndim]))
+  return jax.lax.reshape(x, shape, out_sharding=out)
 
 
 def _split_output(out: Any) -> tuple[jax.Array, Any, Any]:

@@ -4,7 +4,9 @@ import json
 import pathlib
 import types
 
+import chex
 import jax
+import numpy as np
 import jax.numpy as jnp
 import optax
 import pytest
@@ -166,3 +168,46 @@ def test_readme_scan_and_logging_recipes_run(tmp_path, monkeypatch):
   assert [r["step"] for r in lines] == [0, 1]
   assert all(r["qk_clip_threshold"] == 100.0 and r["num_clipped"] == 0.0 and r["loss"] > 0 for r in lines)
   assert "max_logit_per_layer/layers/attn/1" in lines[0] and "grad_norm" in lines[0]
+
+
+@pytest.mark.parametrize("explicit,batch_size", [(True, 4), (False, 8)])
+def test_jit_train_step_passes_the_dropout_rng_on_a_mesh(explicit, batch_size):
+  """``sharding.jit_train_step`` hands ``rng`` on, and microbatches split a batch sharded on an
+  explicit mesh: the sharded step equals the unsharded one."""
+  from muonclip_jax import sharding
+
+  import flax.linen as nn
+
+  cfg = DeepConfig("gqa", True, dropout=0.5)
+  loss_fn, params = make_loss_fn(cfg), nn.unbox(init_params(cfg))
+  opt = optax.adamw(1e-2)
+  step = training.make_train_step(loss_fn, opt, num_microbatches=2)
+  batch, rng = batches(1, batch=batch_size)[0], jax.random.key(3)
+  ref_params, _, ref = jax.jit(step)(params, opt.init(params), batch, rng)
+  if explicit:  # jax.make_mesh's default: explicit axes
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+  else:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+  ps = sharding.param_shardings(params, mesh)
+  sharded = jax.device_put(params, ps)
+  state = sharding.init_state(opt, sharded, ps)
+  bs = sharding.batch_shardings(batch, mesh)
+  jitted = sharding.jit_train_step(step, ps, jax.tree.map(lambda x: x.sharding, state), bs)
+  new_params, _, metrics = jitted(sharded, state, jax.device_put(batch, bs), rng)
+  assert float(metrics["loss"]) == pytest.approx(float(ref["loss"]), rel=1e-5)
+  chex.assert_trees_all_close(jax.device_get(new_params), ref_params, atol=1e-5)
+  no_rng = jitted(sharded, state, jax.device_put(batch, bs))[2]["loss"]  # deterministic, no key
+  assert float(no_rng) != pytest.approx(float(metrics["loss"]), rel=1e-5)
+
+
+def test_microbatches_of_a_batch_sharded_on_an_explicit_mesh():
+  """Microbatch i is rows [i B/k, (i+1) B/k), sharded like the batch where B/k divides."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from muonclip_jax.training import _split_microbatches
+
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  x = jax.device_put(jnp.arange(16 * 3).reshape(16, 3), NamedSharding(mesh, P("data")))
+  for k, lead in ((2, "data"), (8, None)):
+    out = jax.jit(lambda b, k=k: _split_microbatches(b, k))(x)
+    np.testing.assert_array_equal(out, np.arange(16 * 3).reshape(k, 16 // k, 3))
+    assert out.sharding.spec[:2] == P(None, lead)[:2], out.sharding
