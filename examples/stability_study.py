@@ -18,7 +18,7 @@ first). Writes ``<out>/<run>/seed<k>/metrics.jsonl`` per run, ``<out>/study.md``
 and a reading of them) and the pictures ``study_loss.png``, ``study_heatmap.png``,
 ``study_clipped.png``; ``--docs DIR`` copies study.md and the pictures there.
 
-  python examples/stability_study.py [--steps 300] [--seeds 3] [--taus 30,20,40]
+  python examples/stability_study.py [--steps 200] [--seeds 3] [--taus 25,15,35]
       [--mesh DATA,MODEL] [--out runs/study] [--docs DIR]
 """
 
@@ -65,14 +65,14 @@ def arms(taus: list[float]) -> list[Arm]:
 
 def parse_args(argv):
   p = demo.ArgumentParser(description="MuonClip stability study: AdamW, Muon, MuonClip, QK-Norm over seeds.")
-  p.add_argument("--steps", type=int, default=300, help="training steps per run")
+  p.add_argument("--steps", type=int, default=200, help="training steps per run")
   p.add_argument("--seeds", type=int, default=3, help="number of seeds (0, 1, ...) per arm")
-  p.add_argument("--taus", default="30,20,40", help="QK-Clip thresholds: the arms use the first, the ablation all")
+  p.add_argument("--taus", default="25,15,35", help="QK-Clip thresholds: the arms use the first, the ablation all")
   p.add_argument("--mesh", default=None, help="DATA,MODEL device mesh, e.g. 2,4 (fake CPU devices if needed)")
   p.add_argument("--out", default="runs/study", help="output directory")
   p.add_argument("--docs", default=None, help="also copy study.md and the pictures to this directory")
   p.add_argument("--report-only", action="store_true", help="rebuild study.md and the pictures from --out's runs")
-  p.add_argument("--batch", type=int, default=16)
+  p.add_argument("--batch", type=int, default=8)
   p.add_argument("--seq", type=int, default=128)
   p.add_argument("--eval-every", type=int, default=25)
   args = p.parse_args(argv)
