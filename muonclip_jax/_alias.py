@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +19,8 @@ def forwards_options_of(inner: Callable[..., Any]) -> Callable[[Callable[..., An
   The decorated function's signature lists ``inner``'s options (every parameter but
   ``learning_rate``, as keyword-only, with ``inner``'s defaults) after its own, so that
   ``inspect.signature`` and ``optax.inject_hyperparams`` see, and can inject, each of them,
-  and every option is written down once, where it is used.
+  and every option is written down once, where it is used. An unknown keyword argument is a
+  TypeError that names the decorated function and lists its options (not ``inner``'s error).
   """
 
   def wrap(fn):
@@ -26,8 +28,19 @@ def forwards_options_of(inner: Callable[..., Any]) -> Callable[[Callable[..., An
     names = {p.name for p in own} | {"learning_rate"}
     rest = [p.replace(kind=p.KEYWORD_ONLY) for p in inspect.signature(inner).parameters.values()
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in names]
-    fn.__signature__ = inspect.Signature(own + rest, return_annotation=inspect.signature(fn).return_annotation)
-    return fn
+    signature = inspect.Signature(own + rest, return_annotation=inspect.signature(fn).return_annotation)
+    options = [p.name for p in signature.parameters.values() if p.kind is p.KEYWORD_ONLY]
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+      unknown = sorted(set(kwargs) - set(signature.parameters))
+      if unknown:
+        raise TypeError(f"{fn.__name__}() got unknown keyword argument(s) {', '.join(map(repr, unknown))}; "
+                        f"its options are: {', '.join(options)}")
+      return fn(*args, **kwargs)
+
+    checked.__signature__ = signature
+    return checked
 
   return wrap
 
@@ -56,7 +69,8 @@ def muon(
       Newton–Schulz options, ``eps``, ``compute_dtype``, ``mu_dtype``, ``rms_match``,
       ``rms_scale``, ``matrix_axes``, ``shard_orthogonalization``), with its defaults.
   """
-  check_number("weight_decay", weight_decay, low=0.0)
+  check_number("learning_rate", learning_rate, schedule=True)
+  check_number("weight_decay", weight_decay, low=0.0, schedule=True)
   return optax.chain(
       scale_by_muon(**muon_options),
       optax.add_decayed_weights(weight_decay, weight_decay_mask),
@@ -93,12 +107,28 @@ def muon_adamw(
     adam_b1, adam_b2, adam_eps: AdamW moments (Moonlight: 0.9, 0.95, 1e-8).
     adam_weight_decay: AdamW's decoupled weight decay; defaults to ``weight_decay``.
     **muon_options: Muon's other options (see ``muon`` and ``scale_by_muon``);
-      ``mu_dtype`` applies to AdamW's first moment too.
+      ``mu_dtype`` applies to AdamW's first moment too, and so does ``weight_decay_mask``
+      to AdamW's weight decay (below).
+
+  ``weight_decay_mask`` (as in ``optax.add_decayed_weights``: ``True`` where a leaf is
+  decayed) applies to both halves. A pytree mask has the structure of the whole params:
+  each half reads the mask's entries at its own leaves. A callable is called once per half
+  with that half's sub-tree of the params, the ``optax.partition`` view in which the
+  other half's leaves are ``optax.MaskedNode()`` (empty nodes without leaves), and must
+  return a mask of that sub-tree's structure: ``jax.tree.map`` or
+  ``jax.tree_util.tree_map_with_path`` over its argument does, e.g.
+  ``lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)`` to decay no bias or norm scale.
   """
+  muon_half = muon(learning_rate, weight_decay=weight_decay, **muon_options)  # checks Muon's options first
   adam_wd = weight_decay if adam_weight_decay is None else adam_weight_decay
-  check_number("adam_weight_decay", adam_wd, low=0.0)
+  check_number("adam_weight_decay", adam_wd, low=0.0, schedule=True)
+  if adam_learning_rate is not None:
+    check_number("adam_learning_rate", adam_learning_rate, schedule=True)
+  check_number("adam_b1", adam_b1, low=0.0, high=1.0)
+  check_number("adam_b2", adam_b2, low=0.0, high=1.0)
+  check_number("adam_eps", adam_eps, low=0.0)
   transforms = {
-      MUON: muon(learning_rate, weight_decay=weight_decay, **muon_options),
+      MUON: muon_half,
       ADAM: optax.adamw(
           learning_rate if adam_learning_rate is None else adam_learning_rate,
           b1=adam_b1,
@@ -106,6 +136,7 @@ def muon_adamw(
           eps=adam_eps,
           weight_decay=adam_wd,
           mu_dtype=muon_options.get("mu_dtype"),
+          mask=muon_options.get("weight_decay_mask"),
       ),
   }
   return optax.partition(transforms, muon_labels if labels is None else labels)

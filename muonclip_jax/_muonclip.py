@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from ._alias import forwards_options_of, muon_adamw
+from ._muon import check_number
 from ._qk_clip import _check_layout, qk_clip
 
 _MISSING_MAX_LOGITS = (
@@ -57,6 +58,7 @@ def qk_clip_transform(threshold: Any, *, layout: Any) -> optax.GradientTransform
   """
   _check_layout(layout)
   if threshold is not None and not isinstance(threshold, jax.core.Tracer):
+    check_number("qk_clip_threshold", threshold)
     value = float(threshold)
     if math.isnan(value) or value <= 0:
       raise ValueError(f"qk_clip_threshold must be > 0 (or None/inf for no clip), got {threshold!r}")

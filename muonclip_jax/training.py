@@ -9,6 +9,7 @@ argument ``max_logits`` (ignored by optimizers that do not take it), as in Kimi 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -80,16 +81,20 @@ def make_train_step(
       on the master params, and the next step's copy is cast from them again.
     exact_clip: Kimi K2 clips with the maxima of the step's forward pass, which saw the
       weights before the update, so on the step's batch the updated weights can overshoot
-      tau a little. With ``exact_clip=True`` the step runs one more forward pass (no
-      gradient) with the updated params on the same batch and applies ``qk_clip`` with
-      those maxima, so every head's max logit on the step's batch is at most tau after the
-      step. Costs one forward pass; use it with ``muon_adamw`` (or with ``muonclip``,
-      which then clips twice).
+      tau. With ``exact_clip=True`` the step then measures the updated params' maxima on the
+      same batch (a forward pass without gradient) and clips with them, repeating until no
+      head is above tau (1 + rtol), at most once per attention layer (``exact_qk_clip``):
+      after the step every head's max logit on the step's batch is at most tau (1 + rtol),
+      for any depth (rtol = 1e-4, or the machine epsilon of a lower-precision
+      ``compute_dtype``/param dtype). Costs one forward pass, more when clipping a layer
+      pushes a later one above tau (metric ``exact_clip_passes``); use it with
+      ``muon_adamw`` (or with ``muonclip``, which then clips twice).
 
   Returns:
     The step function. ``metrics`` holds ``loss``, the forward pass's ``max_logits`` (per
-    head), ``max_logit``, ``max_logit_per_layer``, ``num_clipped``, ``clipped_fraction``, ``min_gamma`` (see
-    ``clip_metrics``).
+    head), ``max_logit``, ``max_logit_per_layer``, ``num_clipped``, ``clipped_fraction``,
+    ``min_gamma`` (see ``clip_metrics``); with ``exact_clip``, ``exact_clip_passes`` (int32,
+    the forward passes the exact clip took, 1 to the number of attention layers).
   """
   if not isinstance(num_microbatches, int) or num_microbatches < 1:
     raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
@@ -133,8 +138,9 @@ def make_train_step(
     params = optax.apply_updates(params, updates)
     metrics = {"loss": loss, **clip_metrics(maxima, qk_clip_threshold)}
     if exact_clip:
-      after = jax.lax.stop_gradient(_maxima_on(forward, params, batch, num_microbatches))
-      params = qk_clip(params, nest_max_logits(after), threshold=qk_clip_threshold, layout=layout)
+      measure = lambda p: _maxima_on(forward, p, batch, num_microbatches)
+      params, metrics["exact_clip_passes"] = exact_qk_clip(
+          params, measure, threshold=qk_clip_threshold, layout=layout, rtol=_exact_rtol(params, compute_dtype))
     return params, opt_state, metrics
 
   return step
@@ -142,8 +148,59 @@ def make_train_step(
 
 def _maxima_on(forward, params, batch, num_microbatches):
   """The maxima of a gradient-free forward pass over the whole batch (microbatch by microbatch)."""
+  params = jax.lax.stop_gradient(params)
   if num_microbatches == 1:
     return forward(params, batch)[1]
   micro = _split_microbatches(batch, num_microbatches)
   maxima = jax.lax.map(lambda mb: forward(params, mb)[1], micro)
   return {m: jnp.max(v, axis=0) for m, v in maxima.items()}
+
+
+def _exact_rtol(params: Any, compute_dtype: Any) -> float:
+  """1e-4, or the machine epsilon of the forward's lowest-precision float dtype if larger."""
+  dtypes = [jnp.dtype(compute_dtype)] if compute_dtype is not None else [
+      jnp.result_type(x) for x in jax.tree.leaves(params) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+  return max([1e-4] + [float(jnp.finfo(d).eps) for d in dtypes])
+
+
+def exact_qk_clip(params: Any, measure: Callable[[Any], dict[str, jax.Array]], *, threshold: Any,
+                  layout: Any, rtol: float = 1e-4) -> tuple[Any, jax.Array]:
+  """QK-Clip until the params' own maxima are at most tau (1 + rtol), for any depth.
+
+  Clipping attention layer l changes the input of the layers after it, so one clip with the
+  maxima of one forward pass bounds only the first layer. This repeats: measure the maxima
+  of ``params`` (``measure(params) -> {module: (*stack, H)}``, a gradient-free forward pass
+  on the step's batch), and clip every head above ``tau (1 + rtol)`` to tau, until no head
+  is above it, or at most ``L`` times, ``L`` the number of attention layers (rows of the
+  maxima: modules times stacked layers). After clip ``k`` the first ``k`` attention layers
+  (in the order of the forward pass) are at most tau and are never touched again, so the
+  inputs of layer ``k + 1`` are fixed: ``L`` clips bound every layer. This holds when each
+  attention layer's logits depend only on its own and earlier layers' query/key weights;
+  an attention module whose weights are applied more than once in the forward pass
+  (weight sharing across depth) is not covered by the bound.
+
+  Inside jit, no host sync (``lax.while_loop``). Returns ``(params, passes)``: ``passes``
+  (int32, 1 to L) is the number of forward passes taken; the last clip needs no forward
+  pass after it (it is the L-th clip, or clips nothing).
+  """
+  maxima = measure(params)
+  num_layers = sum(math.prod(s.shape[:-1]) for s in maxima.values())
+  limit = jnp.asarray(threshold, jnp.float32) * (1 + rtol)
+
+  def over(maxima):  # heads within the tolerance keep their weights
+    return nest_max_logits({m: jnp.where(s > limit, s, -jnp.inf) for m, s in maxima.items()})
+
+  def clip(params, maxima):
+    return qk_clip(params, over(maxima), threshold=threshold, layout=layout)
+
+  def cond(carry):
+    _, maxima, passes = carry
+    return (passes < num_layers) & jnp.any(jnp.stack([jnp.any(s > limit) for s in maxima.values()]))
+
+  def body(carry):
+    params, maxima, passes = carry
+    params = clip(params, maxima)
+    return params, measure(params), passes + 1
+
+  params, maxima, passes = jax.lax.while_loop(cond, body, (params, maxima, jnp.ones((), jnp.int32)))
+  return clip(params, maxima), passes

@@ -1,5 +1,7 @@
 """scale_by_muon and muon: the Moonlight reference, RMS matching, and the optax battery."""
 
+import inspect
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -262,3 +264,65 @@ def test_zero_gradient_gives_zero_update_and_nan_leaf_is_isolated():
 def test_bad_hyperparameters(factory, kwargs, match):
   with pytest.raises(ValueError, match=match):
     factory(LR, **kwargs)
+
+
+def test_weight_decay_mask_reaches_both_halves_of_muon_adamw():
+  # Zero gradients: the update is the weight decay alone (-lr * wd * theta where decayed).
+  params = {"embed": {"embedding": jnp.ones((8, 4))}, "dense": {"kernel": jnp.ones((4, 6)), "bias": jnp.ones((6,))},
+            "norm": {"scale": jnp.ones((4,))}}
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  labels = mc.muon_labels(params)
+  assert labels["dense"]["kernel"] == "muon" and labels["embed"]["embedding"] == "adam"
+
+  def update(**kw):
+    opt = mc.muon_adamw(1.0, weight_decay=0.1, **kw)
+    return jax.tree.map(lambda u: round(float(u.ravel()[0]), 6), opt.update(zeros, opt.init(params), params)[0])
+
+  decayed = {"embed": {"embedding": -0.1}, "dense": {"kernel": -0.1, "bias": -0.1}, "norm": {"scale": -0.1}}
+  assert update() == decayed
+  none = jax.tree.map(lambda _: 0.0, decayed)
+  assert update(weight_decay_mask=jax.tree.map(lambda _: False, params)) == none
+  assert update(weight_decay_mask=lambda p: jax.tree.map(lambda _: False, p)) == none
+  # matrices only (embedding and kernel), as a callable and as a whole-params pytree
+  matrices = {"embed": {"embedding": -0.1}, "dense": {"kernel": -0.1, "bias": 0.0}, "norm": {"scale": 0.0}}
+  assert update(weight_decay_mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)) == matrices
+  assert update(weight_decay_mask=jax.tree.map(lambda x: x.ndim >= 2, params)) == matrices
+
+
+@pytest.mark.parametrize(
+    "factory,kwargs,name",
+    [
+        (mc.muon, dict(beta="0.95"), "beta"),
+        (mc.muon_adamw, dict(weight_decay="0.1"), "weight_decay"),
+        (mc.muon_adamw, dict(adam_weight_decay="0.1"), "adam_weight_decay"),
+        (mc.muon_adamw, dict(adam_b2="0.95"), "adam_b2"),
+        (mc.muon, dict(rms_scale=True), "rms_scale"),
+        (mc.muon, dict(eps=None), "eps"),
+        (mc.muon, dict(beta=optax.constant_schedule(0.9)), "beta"),  # not a schedule-taking option
+        (mc.muonclip, dict(layout=mc.MLALayout(2, 4, 4, 4), qk_clip_threshold="100"), "qk_clip_threshold"),
+    ],
+)
+def test_string_and_bool_hyperparameters_are_rejected_at_construction(factory, kwargs, name):
+  with pytest.raises(TypeError, match=rf"^{name} must be a real number( or a schedule)?, got"):
+    factory(LR, **kwargs)
+  with pytest.raises(TypeError, match="^learning_rate must be a real number or a schedule, got str"):
+    factory("0.02", **{k: v for k, v in kwargs.items() if k == "layout"})
+
+
+def test_numpy_jax_scalars_and_schedules_are_accepted():
+  params = _params()
+  for beta in (np.float32(0.9), jnp.asarray(0.9), jnp.asarray(0.9, jnp.bfloat16), 0.9):
+    opt = mc.muon_adamw(optax.constant_schedule(LR), beta=beta, weight_decay=optax.constant_schedule(0.1),
+                        adam_weight_decay=np.float64(0.1), rms_scale=jnp.asarray(0.2), adam_b1=np.float32(0.9))
+    chex.assert_tree_all_finite(opt.update(jax.tree.map(jnp.sin, params), opt.init(params), params)[0])
+
+
+@pytest.mark.parametrize("factory,extra", [(mc.muon, {}), (mc.muon_adamw, {}),
+                                           (mc.muonclip, dict(layout=mc.MLALayout(2, 4, 4, 4)))])
+def test_unknown_keyword_names_the_function_and_lists_its_options(factory, extra):
+  name = factory.__name__
+  with pytest.raises(TypeError, match=rf"^{name}\(\) got unknown keyword argument\(s\) 'betta'; its options are: .*") as e:
+    factory(LR, betta=0.9, **extra)
+  options = str(e.value).split("its options are: ")[1].split(", ")
+  assert options == [p for p in inspect.signature(factory).parameters if p != "learning_rate"]
+  assert "beta" in options and "ns_coeffs" in options and "scale_by_muon" not in str(e.value)
