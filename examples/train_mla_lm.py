@@ -228,7 +228,7 @@ def train(name, step, params, state, batches, place, eval_fn, val_batch, eval_ev
   """Runs ``step`` over ``batches``; writes ``run_dir/metrics.jsonl``; returns (records, s/step).
 
   A record per step: loss, the forward pass's max logit (overall, per layer, per head),
-  heads above tau, and the validation loss every ``eval_every`` steps and at the end.
+  heads above tau, the exact clip's forward passes (if any), and the validation loss every ``eval_every`` steps and at the end.
   The time per step leaves out step 1 (compilation).
   """
   import jax
@@ -252,6 +252,8 @@ def train(name, step, params, state, batches, place, eval_fn, val_batch, eval_ev
           "max_logits": {m: np.asarray(v).tolist() for m, v in metrics["max_logits"].items()},
           "num_clipped": int(metrics["num_clipped"]),
       }
+      if "exact_clip_passes" in metrics:
+        rec["exact_clip_passes"] = int(metrics["exact_clip_passes"])
       if (t + 1) % eval_every == 0 or t + 1 == len(batches):
         rec["val_loss"] = float(eval_fn(params, val_batch))
       log.write(json.dumps(rec) + "\n")

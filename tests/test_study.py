@@ -104,14 +104,14 @@ def test_bad_flags_give_one_line_and_exit_status_2(argv, message, capsys, tmp_pa
 
 
 def _maxima(cfg, params, tokens):
-  _, inter = make_loss_fn(cfg)(params, tokens)
-  return np.asarray(inter["layers"]["attn"]["max_logits"][0])
+  _, inter = jax.jit(make_loss_fn(cfg))(params, tokens)
+  return np.asarray(inter["layers"]["attn"]["max_logits"][0])  # layer 0
 
 
 def test_qk_norm_option_makes_logits_invariant_to_the_query_and_key_kernels_scale():
   cfg = LMConfig(dim=32, num_layers=2, num_heads=4, mlp_dim=64, attention="gqa", num_kv_heads=2, head_dim=8,
                  qk_norm=True)
-  params = init_params(cfg, 0)
+  params = jax.jit(lambda: init_params(cfg, 0))()
   assert params["layers"]["attn"]["q_norm"]["scale"].shape == (2, 8)
   tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
   grown = jax.tree_util.tree_map_with_path(
@@ -119,7 +119,7 @@ def test_qk_norm_option_makes_logits_invariant_to_the_query_and_key_kernels_scal
       else x, params)
   np.testing.assert_allclose(_maxima(cfg, grown, tokens), _maxima(cfg, params, tokens), rtol=1e-4)
   plain = LMConfig(**{**cfg.__dict__, "qk_norm": False})
-  params = init_params(plain, 0)
+  params = jax.jit(lambda: init_params(plain, 0))()
   grown = jax.tree.map(lambda x: x, params)
   grown["layers"]["attn"]["wq"]["kernel"] = params["layers"]["attn"]["wq"]["kernel"] * 2.0
   np.testing.assert_allclose(_maxima(plain, grown, tokens), 2.0 * _maxima(plain, params, tokens), rtol=1e-4)
