@@ -251,6 +251,8 @@ def summarize(arm: Arm, records, cfg, secs) -> dict:
       "above_tau": sum(sum(r["num_clipped"] for r in runs[s]) for s in seeds) / (num_heads(cfg) * sum(len(runs[s]) for s in seeds)),
       "sec": sum(secs) / len(secs),
       "seeds": len(seeds),
+      "last_clip": [max((r["step"] for r in runs[s] if r["num_clipped"]), default=0) for s in seeds],
+      "steps": len(runs[seeds[0]]),
       "passes": _mean_or_none([r["exact_clip_passes"] for s in seeds for r in runs[s] if "exact_clip_passes" in r]),
       "first_above": [next((r["step"] for r in runs[s] if r["max_logit"] > arm.tau), None) for s in seeds],
   }
@@ -282,9 +284,18 @@ def table(rows, stats) -> list[str]:
   return lines
 
 
-def _within_noise(delta) -> str:
+# Two-sided 95% quantiles of Student's t with 1..10 degrees of freedom.
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
+def _noise(delta, n) -> str:
+  """The 95% t-interval of a paired mean difference, and whether it excludes 0."""
   mean, std = delta
-  return "within" if abs(mean) <= std else "outside"
+  if n < 2:
+    return "one seed: no estimate of the noise"
+  half = _T95[min(n - 1, len(_T95)) - 1] * std / math.sqrt(n)
+  verdict = "excludes 0" if abs(mean) > half else "includes 0: not distinguishable from noise"
+  return f"95% interval [{mean - half:+.3f}, {mean + half:+.3f}] over {n} seeds, {verdict}"
 
 
 def reading(runs, stats) -> list[str]:
@@ -296,9 +307,10 @@ def reading(runs, stats) -> list[str]:
   lines = []
   a = s["adamw"]
   lines.append(
-      f"- **Muon vs AdamW.** Muon's final validation loss is {-a['delta'][0]:.3f} lower on average "
-      f"(paired over {n} seed(s), std {a['delta'][1]:.3f}); Muon is lower in {n - a['delta_signs']} of {n} seeds. "
-      f"Highest max logit: Muon {s['muon']['highest']:.1f}, AdamW {a['highest']:.1f}.")
+      f"- **Muon vs AdamW.** Final validation loss, Muon minus AdamW: {-a['delta'][0]:+.3f} ± {a['delta'][1]:.3f} "
+      f"(paired mean ± std; {_noise((-a['delta'][0], a['delta'][1]), n)}); Muon is lower in "
+      f"{n - a['delta_signs']} of {n} seeds. Highest max logit: Muon {s['muon']['highest']:.1f}, AdamW "
+      f"{a['highest']:.1f}.")
   first = [f for f in s["muon"]["first_above"] if f is not None]
   lines.append(
       f"- **Logit growth without clip.** Muon's max logit crossed tau = {tau:g} in {len(first)} of {n} seeds"
@@ -308,9 +320,11 @@ def reading(runs, stats) -> list[str]:
   c = s["muonclip"]
   lines.append(
       f"- **MuonClip (Algorithm 1) vs Muon.** Δ final validation loss {c['delta'][0]:+.3f} ± {c['delta'][1]:.3f} "
-      f"(paired mean ± std), {_within_noise(c['delta'])} one seed-to-seed standard deviation of the difference; "
+      f"(paired mean ± std; {_noise(c['delta'], n)}); "
       f"highest max logit {c['highest']:.1f} vs {s['muon']['highest']:.1f}, "
-      f"{100 * c['above_tau']:.1f}% of head-steps clipped. The logits plotted are each step's forward pass, "
+      f"{100 * c['above_tau']:.1f}% of head-steps clipped"
+      + (f", the last one at step {max(c['last_clip'])} of {c['steps']} (latest over seeds)" if any(c["last_clip"]) else "")
+      + ". The logits plotted are each step's forward pass, "
       "before that step's clip, on a new batch: a value above tau there is not a failure of the clip.")
   e = s["muonclip-exact"]
   passes = (f"it took {e['passes']:.2f} forward passes per step on average (one per attention layer at most)"
@@ -324,16 +338,25 @@ def reading(runs, stats) -> list[str]:
   q, g = s["muon-qknorm"], s["muon-gqa"]
   lines.append(
       f"- **QK-Norm (GQA).** Against Muon on the same GQA model without norm: Δ final validation loss "
-      f"{q['delta'][0]:+.3f} ± {q['delta'][1]:.3f}, {_within_noise(q['delta'])} one standard deviation; "
-      f"highest max logit {q['highest']:.1f} vs {g['highest']:.1f}. GQA and MLA differ in more than "
-      f"the attention's parameter count, so compare QK-Norm with muon-gqa, not with the MLA arms.")
+      f"{q['delta'][0]:+.3f} ± {q['delta'][1]:.3f} ({_noise(q['delta'], n)}); "
+      f"highest max logit {q['highest']:.1f} vs {g['highest']:.1f}. The GQA model is another model (see the "
+      "parameter counts above; no low-rank compression), so compare QK-Norm with muon-gqa, not with the MLA arms.")
   abl = [a for a in runs if a.name.startswith("muonclip-tau")]
   if abl:
-    parts = [f"tau {a.tau:g}: {s[a.name]['val'][0]:.3f}, {100 * s[a.name]['above_tau']:.1f}% clipped"
-             for a in sorted([by["muonclip"]] + abl, key=lambda a: a.tau)]
-    lines.append("- **Tau ablation** (final validation loss, head-steps clipped): " + "; ".join(parts)
-                 + f"; Muon without clip: {s['muon']['val'][0]:.3f}.")
+    parts = [f"tau {a.tau:g}: {s[a.name]['val'][0]:.3f}, Δ vs Muon {s[a.name]['delta'][0]:+.3f} "
+             f"± {s[a.name]['delta'][1]:.3f}, {100 * s[a.name]['above_tau']:.1f}% clipped, highest max logit "
+             f"{s[a.name]['highest']:.1f}" for a in sorted([by["muonclip"]] + abl, key=lambda a: a.tau)]
+    lines.append("- **Tau ablation** (final validation loss, paired Δ vs Muon, head-steps clipped, highest max "
+                 "logit): " + "; ".join(parts) + f"; Muon without clip: {s['muon']['val'][0]:.3f}.")
   return lines
+
+
+def _num_params(cfg) -> int:
+  import jax
+
+  from mla_lm import init_params
+
+  return sum(x.size for x in jax.tree.leaves(jax.eval_shape(lambda: init_params(cfg, 0))))
 
 
 def report(args, runs, stats, cfgs, meta) -> str:
@@ -356,10 +379,11 @@ def report(args, runs, stats, cfgs, meta) -> str:
       f"Model: the demo's byte-level LM (dim {mla.dim}, {mla.num_layers} layers under `nn.scan`, {mla.num_heads} heads, "
       f"SwiGLU {mla.mlp_dim}). MLA: q rank {mla.q_lora_rank}, kv rank {mla.kv_lora_rank}, qk {mla.qk_nope_head_dim}+"
       f"{mla.qk_rope_head_dim}, v {mla.v_head_dim}. GQA: {gqa.num_heads} query heads, {gqa.num_kv_heads} key/value heads, "
-      f"head dim {gqa.head_dim}. Data: {meta['data']}; every seed uses the same file split; the seed sets the initialization "
+      f"head dim {gqa.head_dim}. Parameters: MLA model {_num_params(mla):,}, GQA model {_num_params(cfgs['muon-gqa']):,}, "
+      f"GQA + QK-Norm {_num_params(gqa):,}. Data: {meta['data']}; every seed uses the same file split; the seed sets the initialization "
       "and the batches, which are the same in every arm. Peak learning rates: AdamW "
-      f"{demo.LR_ADAMW:g}, Muon {demo.LR_MUON:g} (AdamW {demo.LR_ADAMW:g} for Muon's non-matrix parameters is the "
-      "library default), 5% warmup, cosine to 10%.",
+      f"{demo.LR_ADAMW:g}; Muon arms {demo.LR_MUON:g}, for the AdamW half too (`muon_adamw`'s default: with "
+      "Moonlight's RMS matching both halves share one learning rate); 5% warmup, cosine to 10%.",
       "",
       "Columns: final val loss = validation loss (64 x "
       f"{args.seq} bytes) after the last step, mean ± std over seeds; Δ = paired difference per seed against the "
@@ -395,7 +419,8 @@ def report(args, runs, stats, cfgs, meta) -> str:
       "",
       *reading(runs, stats),
       f"- **Noise.** {args.seeds} seed(s) per arm; the ± are sample standard deviations over seeds (0 with one "
-      "seed) and say little with so few; differences smaller than them are not findings. One data set, one model "
+      "seed), the intervals Student's t on the paired differences; with so few seeds both are rough, and a "
+      "difference whose interval includes 0 is not a finding. One data set, one model "
       f"size ({args.steps} steps of {args.batch} x {args.seq} bytes), one learning rate per optimizer, no tuning per "
       "arm: nothing here says how the arms compare at scale, where Kimi K2 saw 12.7% of heads clipped early and "
       "then none. No GPU was available: no larger configuration was run.",
