@@ -327,7 +327,8 @@ def reading(runs, stats) -> list[str]:
       + ". The logits plotted are each step's forward pass, "
       "before that step's clip, on a new batch: a value above tau there is not a failure of the clip.")
   e = s["muonclip-exact"]
-  passes = (f"it took {e['passes']:.2f} forward passes per step on average (one per attention layer at most)"
+  passes = (f"its clip took {e['passes']:.2f} extra forward passes per step on average "
+            "(at most one per attention layer)"
             if e["passes"] is not None else
             "this run predates the multi-layer fix of the exact clip (issue 12): its exact clip made one forward pass "
             "and one clip per step, exact for the first attention layer only")
