@@ -1,9 +1,11 @@
-# `make test` and `make demo` each create .venv and install what they need.
+# `make test`, `make demo` and `make study` each create .venv and install what they need.
+# `make demo` and `make study` write only under runs/ (git-ignored); `make demo-docs` and
+# `make study-docs` also refresh the pictures and tables the README shows, under docs/.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test demo bench clean
+.PHONY: test demo demo-docs study study-docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,12 +18,22 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -n 2 -q tests
 
-# The demo's picture and summary table are copied to docs/ for the README.
 demo: $(VENV)/.installed
 	$(BIN)/python examples/train_mla_lm.py --out runs/demo
+
+# The demo, then its picture and summary table copied to docs/ for the README.
+demo-docs: demo
 	mkdir -p docs
 	cp runs/demo/report.png docs/demo_report.png
 	cp runs/demo/summary.txt docs/demo_summary.txt
+
+# The stability study (examples/stability_study.py): every arm over 3 seeds, tau ablation.
+study: $(VENV)/.installed
+	$(BIN)/python examples/stability_study.py --out runs/study
+
+# The study, with study.md and its pictures copied to docs/study/ for the README.
+study-docs: $(VENV)/.installed
+	$(BIN)/python examples/stability_study.py --out runs/study --docs docs/study
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -32,8 +32,15 @@ class UsageError(Exception):
   """Bad command-line input: printed as one line, exit status 2."""
 
 
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse whose errors (unknown flag, bad type) raise ``UsageError`` instead of exiting."""
+
+  def error(self, message):
+    raise UsageError(message)
+
+
 def parse_args(argv):
-  p = argparse.ArgumentParser(description="Train a small MLA LM with AdamW, Muon and MuonClip.")
+  p = ArgumentParser(description="Train a small MLA LM with AdamW, Muon and MuonClip.")
   p.add_argument("--steps", type=int, default=300, help="training steps per optimizer")
   p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated: adamw,muon,muonclip")
   p.add_argument("--tau", type=float, default=30.0, help="QK-Clip threshold")
@@ -54,14 +61,19 @@ def parse_args(argv):
   if args.steps < 1:
     raise UsageError(f"--steps must be >= 1, got {args.steps}")
   if args.mesh is not None:
-    try:
-      data, model = (int(v) for v in args.mesh.split(","))
-    except ValueError:
-      raise UsageError(f"--mesh must be DATA,MODEL (two integers), got {args.mesh!r}") from None
-    if data < 1 or model < 1:
-      raise UsageError(f"--mesh sizes must be >= 1, got {args.mesh!r}")
-    args.mesh = (data, model)
+    args.mesh = parse_mesh(args.mesh)
   return args
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+  """``"DATA,MODEL"`` -> ``(data, model)``; UsageError otherwise."""
+  try:
+    data, model = (int(v) for v in text.split(","))
+  except ValueError:
+    raise UsageError(f"--mesh must be DATA,MODEL (two integers), got {text!r}") from None
+  if data < 1 or model < 1:
+    raise UsageError(f"--mesh sizes must be >= 1, got {text!r}")
+  return data, model
 
 
 def load_corpus(seed: int, val_fraction: float = 0.1, max_bytes: int = 8_000_000):
@@ -96,66 +108,183 @@ def main(argv=None) -> int:
   try:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.mesh is not None:
-      want = args.mesh[0] * args.mesh[1]
-      import jax
-
-      try:  # fake CPU devices when JAX runs on the CPU; no effect on a GPU/TPU backend
-        jax.config.update("jax_num_cpu_devices", want)
-      except RuntimeError:
-        pass  # a backend already started (e.g. under pytest): use the devices it has
-      if jax.device_count() != want:
-        raise UsageError(
-            f"--mesh {args.mesh[0]},{args.mesh[1]} needs {want} devices, but JAX sees {jax.device_count()}"
-        )
+      use_devices(args.mesh)
     return run(args)
   except UsageError as e:
     print(f"train_mla_lm.py: error: {e}", file=sys.stderr)
     return 2
 
 
+def use_devices(mesh: tuple[int, int]) -> None:
+  """Asks JAX for DATA*MODEL devices (fake CPU devices on a CPU backend); UsageError if fewer."""
+  import jax
+
+  want = mesh[0] * mesh[1]
+  try:  # fake CPU devices when JAX runs on the CPU; no effect on a GPU/TPU backend
+    jax.config.update("jax_num_cpu_devices", want)
+  except RuntimeError:
+    pass  # a backend already started (e.g. under pytest): use the devices it has
+  if jax.device_count() != want:
+    raise UsageError(f"--mesh {mesh[0]},{mesh[1]} needs {want} devices, but JAX sees {jax.device_count()}")
+
+
+# The demo's model: 2 scanned layers, 4 heads, MLA (see mla_lm.py).
+def demo_config(**changes):
+  from mla_lm import LMConfig
+
+  return LMConfig(dim=128, num_layers=2, num_heads=4, q_lora_rank=64, kv_lora_rank=32,
+                  qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, mlp_dim=384, **changes)
+
+
+def make_data(split_seed: int, sample_seed: int, steps: int, batch: int, seq: int):
+  """``(train batches (steps, batch, seq+1) int32, validation batch (64, seq+1), description)``.
+
+  The corpus is split by file with ``split_seed``; batch positions are drawn with
+  ``sample_seed`` (validation positions with ``sample_seed + 1``).
+  """
+  import numpy as np
+
+  train, val, n_train_files, n_val_files = load_corpus(split_seed)
+  rng = np.random.default_rng(sample_seed)
+  starts = rng.integers(0, len(train) - seq - 1, (steps, batch))
+  batches = np.stack([np.stack([train[s:s + seq + 1] for s in row]) for row in starts]).astype(np.int32)
+  vstarts = np.random.default_rng(sample_seed + 1).integers(0, len(val) - seq - 1, 64)
+  val_batch = np.stack([val[s:s + seq + 1] for s in vstarts]).astype(np.int32)
+  info = (f"{n_train_files} train files ({len(train) / 1e6:.1f} MB used), {n_val_files} validation files "
+          f"({len(val) / 1e6:.1f} MB used)")
+  return batches, val_batch, info
+
+
+def lr_schedule(peak: float, steps: int):
+  """Linear warmup over 5% of the steps, cosine decay to 10% of ``peak``."""
+  import optax
+
+  return optax.warmup_cosine_decay_schedule(0.0, peak, max(1, steps // 20), steps, peak * 0.1)
+
+
+LR_ADAMW, LR_MUON = 3e-3, 0.02
+
+
+class Placement:
+  """Where params, optimizer state and batches live: one device, or a DATA x MODEL mesh."""
+
+  def __init__(self, cfg, params, mesh: tuple[int, int] | None, batch: int, seq: int):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import muonclip_jax as mc
+    from mla_lm import logical_axes
+
+    self.mesh = self.shardings = None
+    if mesh is not None:
+      from jax.sharding import Mesh
+
+      if batch % mesh[0]:
+        raise UsageError(f"--batch {batch} is not divisible by the data axis {mesh[0]}")
+      self.mesh = Mesh(np.asarray(jax.devices()).reshape(mesh), ("data", "model"))
+      self.shardings = mc.sharding.param_shardings(params, self.mesh, logical_axes=logical_axes(cfg))
+      self.batch_sharding = mc.sharding.batch_shardings(jnp.zeros((batch, seq + 1), jnp.int32), self.mesh)
+
+  def params(self, params):
+    import jax
+
+    return params if self.mesh is None else jax.device_put(params, self.shardings)
+
+  def batch(self, batch):
+    import jax
+    import jax.numpy as jnp
+
+    import muonclip_jax as mc
+
+    batch = jnp.asarray(batch)
+    if self.mesh is None:
+      return batch
+    return jax.device_put(batch, mc.sharding.batch_shardings(batch, self.mesh))
+
+  def init(self, opt, params):
+    """The optimizer state, sharded like the params on a mesh."""
+    import jax
+
+    import muonclip_jax as mc
+
+    if self.mesh is None:
+      return jax.jit(opt.init)(params)
+    return mc.sharding.init_state(opt, params, self.shardings)
+
+  def jit(self, step_fn, state):
+    """The jitted step; on a mesh, in = out shardings."""
+    import jax
+
+    import muonclip_jax as mc
+
+    if self.mesh is None:
+      return jax.jit(step_fn)
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    return mc.sharding.jit_train_step(step_fn, self.shardings, state_shardings, self.batch_sharding)
+
+
+def train(name, step, params, state, batches, place, eval_fn, val_batch, eval_every, run_dir):
+  """Runs ``step`` over ``batches``; writes ``run_dir/metrics.jsonl``; returns (records, s/step).
+
+  A record per step: loss, the forward pass's max logit (overall, per layer, per head),
+  heads above tau, the exact clip's forward passes (if any), and the validation loss every ``eval_every`` steps and at the end.
+  The time per step leaves out step 1 (compilation).
+  """
+  import jax
+  import numpy as np
+
+  os.makedirs(run_dir, exist_ok=True)
+  records, t_steps = [], 0.0
+  with open(os.path.join(run_dir, "metrics.jsonl"), "w") as log:
+    for t in range(len(batches)):
+      batch = place.batch(batches[t])
+      t0 = time.perf_counter()
+      params, state, metrics = step(params, state, batch)
+      metrics = jax.device_get(metrics)  # one host transfer per step, outside the step
+      if t > 0:  # step 1 includes compilation
+        t_steps += time.perf_counter() - t0
+      rec = {
+          "step": t + 1,
+          "loss": float(metrics["loss"]),
+          "max_logit": float(metrics["max_logit"]),
+          "max_logit_per_layer": {m: np.asarray(v).tolist() for m, v in metrics["max_logit_per_layer"].items()},
+          "max_logits": {m: np.asarray(v).tolist() for m, v in metrics["max_logits"].items()},
+          "num_clipped": int(metrics["num_clipped"]),
+      }
+      if "exact_clip_passes" in metrics:
+        rec["exact_clip_passes"] = int(metrics["exact_clip_passes"])
+      if (t + 1) % eval_every == 0 or t + 1 == len(batches):
+        rec["val_loss"] = float(eval_fn(params, val_batch))
+      log.write(json.dumps(rec) + "\n")
+      records.append(rec)
+      progress(name, t + 1, len(batches), rec)
+  print(file=sys.stderr)
+  return records, t_steps / max(1, len(batches) - 1)
+
+
 def run(args) -> int:
   import jax
-  import jax.numpy as jnp
-  import numpy as np
   import optax
 
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import muonclip_jax as mc
-  from mla_lm import MATRIX_AXES, LMConfig, init_params, logical_axes, make_loss_fn
+  from mla_lm import MATRIX_AXES, init_params, make_loss_fn
   from muonclip_jax import training
 
-  cfg = LMConfig(dim=128, num_layers=2, num_heads=4, q_lora_rank=64, kv_lora_rank=32,
-                 qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, mlp_dim=384)
-  train, val, n_train_files, n_val_files = load_corpus(args.seed)
-  print(f"data: {n_train_files} train files ({len(train) / 1e6:.1f} MB used), {n_val_files} validation files "
-        f"({len(val) / 1e6:.1f} MB used); device: {jax.devices()[0].device_kind} x {jax.device_count()}")
-  rng = np.random.default_rng(args.seed)
-  starts = rng.integers(0, len(train) - args.seq - 1, (args.steps, args.batch))
-  batches = np.stack([np.stack([train[s:s + args.seq + 1] for s in row]) for row in starts]).astype(np.int32)
-  vstarts = np.random.default_rng(args.seed + 1).integers(0, len(val) - args.seq - 1, 64)
-  val_batch = jnp.asarray(np.stack([val[s:s + args.seq + 1] for s in vstarts]).astype(np.int32))
-
+  cfg = demo_config()
+  batches, val_batch, info = make_data(args.seed, args.seed, args.steps, args.batch, args.seq)
+  print(f"data: {info}; device: {jax.devices()[0].device_kind} x {jax.device_count()}")
   params0 = init_params(cfg, args.seed)
+  place = Placement(cfg, params0, args.mesh, args.batch, args.seq)
+  params0, val_batch = place.params(params0), place.batch(val_batch)
   loss_fn = make_loss_fn(cfg)
-  mesh = shardings = None
-  if args.mesh is not None:
-    from jax.sharding import Mesh
-
-    if args.batch % args.mesh[0]:
-      raise UsageError(f"--batch {args.batch} is not divisible by the data axis {args.mesh[0]}")
-    mesh = Mesh(np.asarray(jax.devices()).reshape(args.mesh), ("data", "model"))
-    shardings = mc.sharding.param_shardings(params0, mesh, logical_axes=logical_axes(cfg))
-    params0 = jax.device_put(params0, shardings)
-    batch_sharding = mc.sharding.batch_shardings(jnp.zeros((args.batch, args.seq + 1), jnp.int32), mesh)
-    val_batch = jax.device_put(val_batch, mc.sharding.batch_shardings(val_batch, mesh))
-  lr_muon = 0.02
-  schedule = lambda peak: optax.warmup_cosine_decay_schedule(0.0, peak, max(1, args.steps // 20), args.steps, peak * 0.1)
-  muon_kw = dict(matrix_axes=MATRIX_AXES, shard_orthogonalization=shardings)
+  muon_kw = dict(matrix_axes=MATRIX_AXES, shard_orthogonalization=place.shardings)
   optimizers = {
-      "adamw": (optax.adamw(schedule(3e-3), b1=0.9, b2=0.95, weight_decay=0.1), {}),
-      "muon": (mc.muon_adamw(schedule(lr_muon), **muon_kw), {}),
+      "adamw": (optax.adamw(lr_schedule(LR_ADAMW, args.steps), b1=0.9, b2=0.95, weight_decay=0.1), {}),
+      "muon": (mc.muon_adamw(lr_schedule(LR_MUON, args.steps), **muon_kw), {}),
       "muonclip": (
-          mc.muonclip(schedule(lr_muon), layout=cfg.layout, qk_clip_threshold=args.tau, **muon_kw),
+          mc.muonclip(lr_schedule(LR_MUON, args.steps), layout=cfg.layout, qk_clip_threshold=args.tau, **muon_kw),
           dict(exact_clip=True, layout=cfg.layout),
       ),
   }
@@ -166,39 +295,11 @@ def run(args) -> int:
   for name in args.optimizers:
     opt, step_kw = optimizers[name]
     step_fn = training.make_train_step(loss_fn, opt, qk_clip_threshold=args.tau, **step_kw)
-    if mesh is None:
-      step, params, state = jax.jit(step_fn), params0, jax.jit(opt.init)(params0)
-    else:  # params, optimizer state and batch sharded; in = out shardings
-      params, state = params0, mc.sharding.init_state(opt, params0, shardings)
-      state_shardings = jax.tree.map(lambda x: x.sharding, state)
-      step = mc.sharding.jit_train_step(step_fn, shardings, state_shardings, batch_sharding)
-    run_dir = os.path.join(args.out, name)
-    os.makedirs(run_dir, exist_ok=True)
-    records, t_start, t_steps = [], None, 0.0
-    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as log:
-      for t in range(args.steps):
-        batch = jnp.asarray(batches[t])
-        if mesh is not None:
-          batch = jax.device_put(batch, batch_sharding)
-        t0 = time.perf_counter()
-        params, state, metrics = step(params, state, batch)
-        metrics = jax.device_get(metrics)  # one host transfer per step, outside the step
-        if t > 0:  # step 0 includes compilation
-          t_steps += time.perf_counter() - t0
-        rec = {
-            "step": t + 1,
-            "loss": float(metrics["loss"]),
-            "max_logit": float(metrics["max_logit"]),
-            "max_logit_per_layer": {m: np.asarray(v).tolist() for m, v in metrics["max_logit_per_layer"].items()},
-            "num_clipped": int(metrics["num_clipped"]),
-        }
-        if (t + 1) % args.eval_every == 0 or t + 1 == args.steps:
-          rec["val_loss"] = float(eval_fn(params, val_batch))
-        log.write(json.dumps(rec) + "\n")
-        records.append(rec)
-        progress(name, t + 1, args.steps, rec)
-    print(file=sys.stderr)
-    results[name] = summarize(records, cfg.num_layers * cfg.num_heads, t_steps / max(1, args.steps - 1))
+    state = place.init(opt, params0)
+    step = place.jit(step_fn, state)
+    records, sec = train(name, step, params0, state, batches, place, eval_fn, val_batch, args.eval_every,
+                         os.path.join(args.out, name))
+    results[name] = summarize(records, cfg.num_layers * cfg.num_heads, sec)
   table = format_table(results, args.tau)
   print("\n" + table)
   with open(os.path.join(args.out, "summary.txt"), "w") as f:

@@ -30,7 +30,8 @@ LossFn = Callable[..., tuple[jax.Array, Any]]
 def clip_metrics(maxima: dict[str, jax.Array], threshold: Any) -> dict[str, Any]:
   """Logging metrics of one step's maxima ``{module: (*stack, H)}`` (all arrays, jit-safe).
 
-  ``max_logit`` (largest over all heads), ``max_logit_per_layer`` (``{module: (*stack,)}``),
+  ``max_logits`` (the maxima themselves, per head), ``max_logit`` (largest over all heads),
+  ``max_logit_per_layer`` (``{module: (*stack,)}``),
   ``num_clipped`` (heads with S_max > tau), ``clipped_fraction`` (of all heads; Kimi K2
   reports 12.7% of heads triggering in K2's first 70k steps) and ``min_gamma``.
   """
@@ -38,6 +39,7 @@ def clip_metrics(maxima: dict[str, jax.Array], threshold: Any) -> dict[str, Any]
   num_clipped = sum(jnp.sum(s["num_clipped"]) for s in stats.values())
   num_heads = sum(jnp.sum(s["num_heads"]) for s in stats.values())
   return {
+      "max_logits": dict(maxima),
       "max_logit": jnp.max(jnp.stack([jnp.max(s["max_logit"]) for s in stats.values()])),
       "max_logit_per_layer": {m: s["max_logit"] for m, s in stats.items()},
       "num_clipped": num_clipped,
@@ -191,7 +193,7 @@ def make_train_step(
   Returns:
     The step function; ``rng`` (optional) is a key handed to ``loss_fn`` (split per
     microbatch). ``metrics`` holds ``loss``, ``grad_norm`` (global norm of the averaged
-    gradient, before the optimizer), the forward pass's ``max_logit``,
+    gradient, before the optimizer), the forward pass's ``max_logits`` (per head), ``max_logit``,
     ``max_logit_per_layer``, ``num_clipped``, ``clipped_fraction``, ``min_gamma`` (see
     ``clip_metrics``; counted with the optimizer's tau when it clips), and when they apply:
     ``qk_clip_threshold`` (the tau of those counts), ``learning_rate`` (the optimizer's,

@@ -1,0 +1,139 @@
+"""The stability study (examples/stability_study.py) at a tiny size, its bad flags, and the
+demo model's GQA / QK-Norm option it relies on."""
+
+import json
+import math
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+import stability_study  # noqa: E402
+from mla_lm import LMConfig, init_params, make_loss_fn  # noqa: E402
+
+ARMS = ("adamw", "muon", "muonclip", "muonclip-exact", "muon-gqa", "muon-qknorm", "muonclip-tau3")
+TINY = ["--steps", "2", "--seeds", "1", "--taus", "5,3", "--batch", "4", "--seq", "32", "--eval-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def tiny_study(tmp_path_factory):
+  out = tmp_path_factory.mktemp("study")
+  docs = tmp_path_factory.mktemp("docs")
+  rc = stability_study.main(TINY + ["--out", str(out), "--docs", str(docs)])
+  assert rc == 0
+  return out, docs
+
+
+def _rows(markdown):
+  return {line.split("|")[1].strip(): line for line in markdown.splitlines() if line.startswith("| ")}
+
+
+def test_tiny_run_writes_a_row_for_every_arm_and_the_pictures(tiny_study):
+  out, docs = tiny_study
+  text = (out / "study.md").read_text()
+  rows = _rows(text)
+  for name in ARMS:
+    cells = [c.strip() for c in rows[name].split("|")[1:-1]]
+    assert len(cells) == 10
+    mean, std = (float(v) for v in cells[4].split(" ± "))
+    assert math.isfinite(mean) and std == 0.0  # one seed
+    assert math.isfinite(float(cells[6])) and cells[8].endswith("%") and float(cells[9]) > 0
+  assert "| muonclip-tau3 | MLA | Algorithm 1 | 3 |" in text
+  assert "| muon-qknorm | GQA + QK-Norm | none | 5 |" in text
+  assert "## Tau ablation" in text
+  for name in stability_study.PICTURES:
+    assert (out / name).stat().st_size > 10_000
+    assert f"]({name})" in text
+    assert (docs / name).read_bytes() == (out / name).read_bytes()
+  assert "heatmap" in stability_study.PICTURES[1]
+  assert (docs / "study.md").read_text() == text
+
+
+def test_every_run_logs_per_head_maxima_and_arms_share_init_and_batches(tiny_study):
+  out, _ = tiny_study
+  first = {}
+  for name in ARMS:
+    recs = [json.loads(line) for line in (out / name / "seed0" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2] and all("val_loss" in r for r in recs)
+    for r in recs:
+      per_head = np.asarray(r["max_logits"]["layers/attn"])
+      assert per_head.shape == (2, 4)  # (layers, heads)
+      np.testing.assert_allclose(per_head.max(-1), r["max_logit_per_layer"]["layers/attn"])
+      assert r["max_logit"] == pytest.approx(per_head.max())
+    first[name] = recs[0]["loss"]
+  # Step 1's loss is the forward pass of the initial params on the first batch: the same in
+  # every MLA arm (same seed), different for the GQA models.
+  mla = {first[n] for n in ARMS if "gqa" not in n and "qknorm" not in n}
+  assert len(mla) == 1
+  assert first["muon-gqa"] not in mla and first["muon-qknorm"] not in mla
+
+
+def test_report_only_rebuilds_the_same_study(tiny_study, tmp_path):
+  out, _ = tiny_study
+  before = (out / "study.md").read_text()
+  assert stability_study.main(TINY + ["--out", str(out), "--report-only"]) == 0
+  assert (out / "study.md").read_text() == before
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--steps", "many"], "argument --steps: invalid int value: 'many'"),
+        (["--seeds", "0"], "--seeds must be >= 1, got 0"),
+        (["--taus", "30,abc"], "--taus must be comma-separated numbers, got '30,abc'"),
+        (["--taus", "30,-1"], "--taus must be finite and > 0, got '30,-1'"),
+        (["--taus", "30,nan"], "--taus must be finite and > 0, got '30,nan'"),
+        (["--taus", "30,20,30"], "--taus repeats a value: '30,20,30'"),
+        (["--mesh", "3,1"], "--mesh 3,1 needs 3 devices, but JAX sees 8"),
+        (["--mesh", "2x4"], "--mesh must be DATA,MODEL (two integers), got '2x4'"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--report-only"], "--report-only:"),
+    ],
+)
+def test_bad_flags_give_one_line_and_exit_status_2(argv, message, capsys, tmp_path):
+  rc = stability_study.main(argv + ["--out", str(tmp_path / "none")])
+  err = capsys.readouterr().err
+  assert rc == 2
+  assert err.count("\n") == 1 and err.startswith("stability_study.py: error: ") and message in err
+  assert "Traceback" not in err
+
+
+def _maxima(cfg, params, tokens):
+  _, inter = jax.jit(make_loss_fn(cfg))(params, tokens)
+  return np.asarray(inter["layers"]["attn"]["max_logits"][0])  # layer 0
+
+
+def test_qk_norm_option_makes_logits_invariant_to_the_query_and_key_kernels_scale():
+  cfg = LMConfig(dim=32, num_layers=2, num_heads=4, mlp_dim=64, attention="gqa", num_kv_heads=2, head_dim=8,
+                 qk_norm=True)
+  params = jax.jit(lambda: init_params(cfg, 0))()
+  assert params["layers"]["attn"]["q_norm"]["scale"].shape == (2, 8)
+  tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
+  grown = jax.tree_util.tree_map_with_path(
+      lambda path, x: x * 50.0 if jax.tree_util.keystr(path).count("'wq'") + jax.tree_util.keystr(path).count("'wk'")
+      else x, params)
+  np.testing.assert_allclose(_maxima(cfg, grown, tokens), _maxima(cfg, params, tokens), rtol=1e-4)
+  plain = LMConfig(**{**cfg.__dict__, "qk_norm": False})
+  params = jax.jit(lambda: init_params(plain, 0))()
+  grown = jax.tree.map(lambda x: x, params)
+  grown["layers"]["attn"]["wq"]["kernel"] = params["layers"]["attn"]["wq"]["kernel"] * 2.0
+  np.testing.assert_allclose(_maxima(plain, grown, tokens), 2.0 * _maxima(plain, params, tokens), rtol=1e-4)
+  assert cfg.layout.num_kv_heads == 2 and LMConfig().layout.qk_rope_head_dim == 16
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (dict(attention="mha"), "LMConfig.attention must be 'mla' or 'gqa', got 'mha'"),
+        (dict(qk_norm=True), "LMConfig.qk_norm needs attention='gqa'"),
+    ],
+)
+def test_model_option_rejects_bad_settings(kw, message):
+  with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    LMConfig(**kw)
+
