@@ -9,6 +9,7 @@ argument ``max_logits`` (ignored by optimizers that do not take it), as in Kimi 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -102,6 +103,32 @@ def _clip_state(opt_state: Any) -> QKClipState | None:
   return found[0] if found else None
 
 
+def _optimizer_clip_metrics(before: QKClipState, after: QKClipState, maxima: dict[str, jax.Array]) -> dict:
+  """``num_clipped``, ``clipped_fraction`` and ``min_gamma`` of the clip the optimizer made.
+
+  Under ``multi_steps``/``optax.MultiSteps`` the optimizer, and its clip, act only at the
+  last micro-step (on the running maximum over the micro-steps): before that the step
+  clipped nothing, whatever this microbatch's own maxima were.
+  """
+  acted = after.count != before.count
+  num_clipped = jnp.where(acted, after.num_clipped, 0)
+  num_heads = sum(math.prod(s.shape) for s in maxima.values())
+  return {
+      "num_clipped": num_clipped,
+      "clipped_fraction": num_clipped / num_heads,
+      "min_gamma": jnp.where(acted, after.min_gamma, 1.0),
+  }
+
+
+def _applied_an_update(opt_state: Any) -> jax.Array | None:
+  """Whether a ``MultiSteps`` optimizer made its real update this call (None: no MultiSteps)."""
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.MultiStepsState))
+           if isinstance(x, optax.MultiStepsState)]
+  if not found:
+    return None
+  return functools.reduce(jnp.logical_and, [x.mini_step == 0 for x in found])
+
+
 def _step_count(opt_state: Any) -> jax.Array:
   """The optimizer's step count: its QK-Clip count, else the first ``count`` in its state."""
   clip = _clip_state(opt_state)
@@ -188,14 +215,18 @@ def make_train_step(
       for any depth (rtol = 1e-4, or the machine epsilon of a lower-precision
       ``compute_dtype``/param dtype). Costs one forward pass, more when clipping a layer
       pushes a later one above tau (metric ``exact_clip_passes``); use it with
-      ``muon_adamw`` (or with ``muonclip``, which then clips twice).
+      ``muon_adamw`` (or with ``muonclip``, which then clips twice). Under
+      ``multi_steps``/``optax.MultiSteps`` it runs only at the micro-step that updates the
+      weights (``exact_clip_passes`` is 0 at the others).
 
   Returns:
     The step function; ``rng`` (optional) is a key handed to ``loss_fn`` (split per
     microbatch). ``metrics`` holds ``loss``, ``grad_norm`` (global norm of the averaged
     gradient, before the optimizer), the forward pass's ``max_logits`` (per head), ``max_logit``,
-    ``max_logit_per_layer``, ``num_clipped``, ``clipped_fraction``, ``min_gamma`` (see
-    ``clip_metrics``; counted with the optimizer's tau when it clips), and when they apply:
+    ``max_logit_per_layer``, ``num_clipped``, ``clipped_fraction``, ``min_gamma`` (when
+    the optimizer clips: the clip it made in this call, read from its ``QKClipState``, so
+    0 clipped at the micro-steps of ``multi_steps`` that do not update; otherwise counted
+    from the forward pass's maxima at the given tau, see ``clip_metrics``), and when they apply:
     ``qk_clip_threshold`` (the tau of those counts), ``learning_rate`` (the optimizer's,
     when injected with ``optax.inject_hyperparams``; a dict by state path when several
     are), ``aux`` (``loss_fn``'s extra outputs) and ``exact_clip_passes`` (int32, the
@@ -245,11 +276,14 @@ def make_train_step(
   def step(params, opt_state, batch, rng=None):
     loss, grads, maxima, aux = loss_grads_maxima(params, batch, rng)
     given = qk_clip_threshold(_step_count(opt_state)) if callable(qk_clip_threshold) else qk_clip_threshold
+    before = _clip_state(opt_state)
     updates, opt_state = opt.update(grads, opt_state, params, max_logits=nest_max_logits(maxima))
     params = optax.apply_updates(params, updates)
     clip = _clip_state(opt_state)
     tau = clip.threshold if clip is not None else given
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **clip_metrics(maxima, tau)}
+    if clip is not None:
+      metrics.update(_optimizer_clip_metrics(before, clip, maxima))
     if tau is not None:
       metrics["qk_clip_threshold"] = jnp.asarray(tau, jnp.float32)
     learning_rate = _learning_rates(opt_state)
@@ -263,8 +297,18 @@ def make_train_step(
         raise ValueError("make_train_step: exact_clip=True needs qk_clip_threshold, or an optimizer that clips "
                          "(muonclip), whose tau it then uses")
       measure = lambda p: _maxima_on(forward, p, batch, rng, k)
-      params, metrics["exact_clip_passes"] = exact_qk_clip(
-          params, measure, threshold=tau, layout=layout, rtol=_exact_rtol(params, compute_dtype))
+      clip_now = lambda p: exact_qk_clip(p, measure, threshold=tau, layout=layout,
+                                         rtol=_exact_rtol(params, compute_dtype))
+      stepped = _applied_an_update(opt_state)
+      if stepped is None:
+        params, metrics["exact_clip_passes"] = clip_now(params)
+      else:  # accumulating (MultiSteps): the weights change, and get clipped, only at the real update
+        params, metrics["exact_clip_passes"] = jax.lax.cond(
+            stepped, clip_now, lambda p: (p, jnp.zeros((), jnp.int32)), params)
+        if clip is None:
+          metrics["num_clipped"] = jnp.where(stepped, metrics["num_clipped"], 0)
+          metrics["clipped_fraction"] = jnp.where(stepped, metrics["clipped_fraction"], 0.0)
+          metrics["min_gamma"] = jnp.where(stepped, metrics["min_gamma"], 1.0)
     return params, opt_state, metrics
 
   return step

@@ -170,6 +170,38 @@ def test_readme_scan_and_logging_recipes_run(tmp_path, monkeypatch):
   assert "max_logit_per_layer/layers/attn/1" in lines[0] and "grad_norm" in lines[0]
 
 
+def test_multi_steps_metrics_and_exact_clip_act_only_at_the_real_update():
+  """Under multi_steps the optimizer clips only at its last micro-step: the metrics say so,
+  and the exact clip does not rescale weights while gradients are still accumulating."""
+  tau, loss_fn = 1.0, make_loss_fn(MLA)
+  params = init_params(MLA)
+  clipping = mc.multi_steps(mc.muonclip(0.05, layout=MLA.layout, qk_clip_threshold=tau, matrix_axes=AXES), 2,
+                            layout=MLA.layout)
+  plain = mc.multi_steps(mc.muon_adamw(0.05, matrix_axes=AXES), 2, layout=MLA.layout)
+  for opt, exact in ((clipping, False), (plain, True)):
+    step = jax.jit(training.make_train_step(loss_fn, opt, qk_clip_threshold=tau, layout=MLA.layout,
+                                            exact_clip=exact))
+    p, state = params, opt.init(params)
+    for t, batch in enumerate(batches(2)):
+      assert _stats(loss_fn, p, batch, tau)[0] > 0  # this microbatch alone is above tau
+      new_p, state, metrics = step(p, state, batch)
+      if t % 2 == 0:  # accumulating: nothing changed, nothing clipped
+        chex.assert_trees_all_equal(new_p, p)
+        assert int(metrics["num_clipped"]) == 0 and float(metrics["min_gamma"]) == 1.0
+        if exact:
+          assert int(metrics["exact_clip_passes"]) == 0
+      elif exact:
+        assert int(metrics["exact_clip_passes"]) >= 1
+        worst = max(float(jnp.max(s)) for s in collect_max_logits(loss_fn(new_p, batch)[1]).values())
+        assert worst <= tau * (1 + 1e-4)
+      else:
+        (clip_state,) = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, mc.QKClipState))
+                         if isinstance(x, mc.QKClipState)]
+        assert int(metrics["num_clipped"]) == int(clip_state.num_clipped) > 0
+        assert float(metrics["min_gamma"]) == float(clip_state.min_gamma) < 1.0
+      p = new_p
+
+
 @pytest.mark.parametrize("explicit,batch_size", [(True, 4), (False, 8)])
 def test_jit_train_step_passes_the_dropout_rng_on_a_mesh(explicit, batch_size):
   """``sharding.jit_train_step`` hands ``rng`` on, and microbatches split a batch sharded on an
