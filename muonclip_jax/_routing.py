@@ -201,6 +201,28 @@ def _undeclared(path: str, shape: tuple[int, ...]) -> ValueError:
                     + "; ".join(hints))
 
 
+def _check_batch_names(path: str, shape: tuple[int, ...], names: tuple, axes: MatrixAxes) -> None:
+  """Raises ValueError when explicit ``axes`` batch over an axis the logical ``names`` call part of a matrix."""
+  if len(names) != len(shape):
+    raise ValueError(f"{path}: logical axis names {names} do not match the shape {shape}")
+  batch, fi, fo = axes.resolve(path, shape)
+  bad = tuple(a for a in batch if names[a] not in (LAYERS, None))
+  if not bad:
+    return
+  try:
+    fix = ("leave this parameter at None in matrix_axes so that its names decide "
+           f"({axes_from_names(path, shape, names)})")
+  except ValueError:
+    fix = "pass MatrixAxes whose batch axes are only stacked-layer axes"
+  count = math.prod(shape[a] for a in batch)
+  rows, cols = math.prod(shape[a] for a in fi), math.prod(shape[a] for a in fo)
+  raise ValueError(
+      f"{path}: matrix_axes={axes} makes axes {bad} of the parameter of shape {shape} batch axes, so Muon would "
+      f"orthogonalize {count} separate {rows}x{cols} matrices; but its logical axis names {names} call "
+      f"{tuple(names[a] for a in bad)} part of the matrix (expected only '{LAYERS}' or unnamed axes as batch "
+      f"axes). {fix[0].upper() + fix[1:]}, or, if it really is a stack of layers, name that axis '{LAYERS}'")
+
+
 def matrix_axes_lookup(spec: MatrixAxesSpec, tree: Any) -> Callable[[str, tuple[int, ...]], MatrixAxes]:
   """Turns a ``matrix_axes`` argument into ``(path, shape) -> MatrixAxes``.
 
@@ -210,6 +232,12 @@ def matrix_axes_lookup(spec: MatrixAxesSpec, tree: Any) -> Callable[[str, tuple[
   (as ``optax.partition`` passes) works too. A leaf the spec leaves at ``None`` is resolved,
   in order, from its logical axis names when ``tree`` carries them (``axes_from_names``),
   as ``(in, out)`` when it is 2-D, else with a ValueError naming its path and shape.
+
+  Explicit axes win over logical names, but may not contradict them: an axis the spec makes
+  a batch axis must be named ``"layers"`` (or carry no name, as ``nn.scan`` without a
+  partition name leaves it), else ValueError. So an explicit ``MatrixAxes((-2,), (-1,))``
+  cannot quietly split a DenseGeneral kernel ``("embed", "heads", "kv")`` into one matrix
+  per ``embed`` row.
   """
   if callable(spec) and not isinstance(spec, MatrixAxes):
     spec = spec(tree)
@@ -224,6 +252,8 @@ def matrix_axes_lookup(spec: MatrixAxesSpec, tree: Any) -> Callable[[str, tuple[
   def lookup(path: str, shape: tuple[int, ...]) -> MatrixAxes:
     axes = single if table is None else table.get(path)
     if axes is not None:
+      if path in names:
+        _check_batch_names(path, shape, names[path], axes)
       return axes
     if path in names and not (len(shape) == 2 and None in names[path]):
       return axes_from_names(path, shape, names[path])
@@ -289,15 +319,27 @@ def attention_matrix_axes(layout: Any, *, value: str = "value", out: str = "out"
   the layout (GQA: ``query``/``key``; MLA: ``wq_b``/``wq`` or ``query``, and
   ``key_value``), value and output names from ``value``/``out``. A kernel is matched only
   when its trailing axes are the layout's ``(heads, head_dim)`` (key/value: ``num_kv_heads``;
-  MLA: ``qk_head_dim``, ``nope + v`` and ``v_head_dim`` widths); every other leaf gets
-  ``default`` when its rank is 3 or more (e.g. ``MatrixAxes((-2,), (-1,))`` for the other
-  kernels of a ``nn.scan`` stack), else None (resolved by logical names or as a 2-D matrix).
+  MLA: ``qk_head_dim``, ``nope + v`` and ``v_head_dim`` widths).
+
+  Every other leaf, by rank:
+
+  - rank 3 or more, not a ``bias``/``scale``/``embedding``, with the trailing two axes, or
+    the two axes before the last, equal to one of those ``(heads, width)`` pairs: it is
+    almost surely a DenseGeneral projection under a name the layout was not told, and
+    ``default`` would split it into per-head or per-row matrices, so ValueError naming the
+    path and shape (pass ``value=``/``out=``, the layout's names, or ``matrix_axes`` for it).
+    A leaf that carries logical axis names is left at None instead: its names decide.
+  - rank 3: ``default`` (e.g. ``MatrixAxes((-2,), (-1,))`` for the other kernels of a
+    ``nn.scan`` stack, ``(layers, in, out)``).
+  - any other rank: None (resolved by logical names, as a 2-D matrix, or with a ValueError).
+    ``default`` is not applied at rank 4 or more, where a stacked ``(layers, heads,
+    head_dim, out)`` kernel and a stack of matrices cannot be told apart.
 
   Args:
     layout: a ``GQALayout``/``MLALayout``, or a mapping from module-path glob patterns to them.
     value: name of the value projection (GQA).
     out: name of the output projection.
-    default: ``MatrixAxes`` for every other leaf of rank >= 3, or None.
+    default: ``MatrixAxes`` for every other leaf of rank 3, or None.
   """
   from ._layouts import GQALayout, MLALayout  # noqa: PLC0415 (no import cycle at load time)
 
@@ -321,7 +363,11 @@ def attention_matrix_axes(layout: Any, *, value: str = "value", out: str = "out"
     found[lay.key_value] = ((h, lay.qk_nope_head_dim + lay.v_head_dim), in_axes)
     return found | {out: ((h, lay.v_head_dim), out_axes)}
 
-  def axes_for(path: str, shape: tuple[int, ...]) -> MatrixAxes | None:
+  # (heads, width) pairs of every projection of every layout: an unmatched leaf ending in one
+  # of them is a DenseGeneral kernel under a name this helper was not told.
+  head_shapes = {tuple(t[-2:]) for lay in layouts.values() for t, _ in projections(lay).values()}
+
+  def axes_for(path: str, shape: tuple[int, ...], named: bool) -> MatrixAxes | None:
     parts = path.split("/")
     if len(shape) >= 3 and len(parts) >= 2 and parts[-1] == "kernel":
       module = "/".join(parts[:-2])
@@ -332,10 +378,25 @@ def attention_matrix_axes(layout: Any, *, value: str = "value", out: str = "out"
         got = shape[-3:-1] if axes is out_axes else shape[-len(trailing):]
         if len(shape) > len(trailing) and tuple(got) == trailing:
           return axes
-    return default if len(shape) >= 3 else None
+    if len(shape) < 3 or parts[-1].lower() in _VECTOR_LEAF_NAMES:
+      return None
+    if tuple(shape[-2:]) in head_shapes or tuple(shape[-3:-1]) in head_shapes:
+      if named:
+        return None
+      names = sorted({n for lay in layouts.values() for n in projections(lay)})
+      raise ValueError(
+          f"{path}: attention_matrix_axes: a parameter of shape {shape} has, last or before its last axis, the "
+          f"(heads, head width) of the layout's projections {sorted(head_shapes)}, so it looks like a DenseGeneral "
+          "attention kernel, but its "
+          f"name matches none of the projections {names}, and a stack-of-matrices default would orthogonalize it "
+          "per head or per row instead of as one matrix. If it is the value or output projection, "
+          "pass value=/out= with its name (query/key names are the layout's); otherwise pass matrix_axes for "
+          "it explicitly")
+    return default if len(shape) == 3 else None
 
   def spec(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: axes_for(path_str(p), _shape(x)), params, is_leaf=_is_box)
+        lambda p, x: axes_for(path_str(p), _shape(x), _is_box(x) and logical_names(x) is not None),
+        params, is_leaf=_is_box)
 
   return spec

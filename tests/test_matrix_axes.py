@@ -187,3 +187,60 @@ def test_readme_optax_equivalent_matches_optax_muon_on_muon_leaves():
     u_theirs, s_theirs = theirs.update(grads, s_theirs, params)
     u_ours, s_ours = ours.update(grads, s_ours, params)
     chex.assert_trees_all_close(u_ours, u_theirs, rtol=2e-5, atol=1e-7)
+
+
+def _boxed(shape, names):
+  return nn.Partitioned(jnp.zeros(shape, jnp.float32), names=names)
+
+
+def test_explicit_axes_that_contradict_logical_names_raise():
+  """Issue 11: the scan hint on a named DenseGeneral kernel must not give 64 separate 4x16 matrices."""
+  params = {"attn": {"query": {"kernel": _boxed((64, 4, 16), ("embed", "heads", "kv"))}}}
+  for spec in (mc.MatrixAxes((-2,), (-1,)), MDN(-2, -1), {"attn": {"query": {"kernel": mc.MatrixAxes((-2,), (-1,))}}}):
+    opt = mc.scale_by_muon(matrix_axes=spec)
+    with pytest.raises(ValueError) as err:
+      opt.init(params)
+    msg = str(err.value)
+    assert "attn/query/kernel" in msg and "(64, 4, 16)" in msg and "('embed', 'heads', 'kv')" in msg
+    assert "64 separate 4x16 matrices" in msg and "axes (0,)" in msg
+    assert "Leave this parameter at None in matrix_axes" in msg and "MatrixAxes(fan_in=(0,), fan_out=(1, 2))" in msg
+    with pytest.raises(ValueError, match="64 separate 4x16"):  # at update time too
+      opt.update(params, mc.scale_by_muon().init(params))
+  # batch axes named "layers", or unnamed (nn.scan without a partition name), are fine
+  stack = mc.MatrixAxes((-2,), (-1,))
+  for names in (("layers", "embed", "mlp"), (None, "embed", "mlp")):
+    assert matrix_axes_lookup(stack, {"w": _boxed((3, 16, 32), names)})("w", (3, 16, 32)) == stack
+  # explicit axes that agree with the names, or regroup them without batching, are fine
+  lookup = matrix_axes_lookup(mc.MatrixAxes((0,), (1, 2)), params)
+  assert lookup("attn/query/kernel", (64, 4, 16)) == mc.MatrixAxes((0,), (1, 2))
+
+
+def test_attention_matrix_axes_refuses_an_unnamed_dense_general_kernel():
+  """Issue 11: `default` must not split a scanned `v_proj` (layers, in, kv_heads, head_dim) into per-head matrices."""
+  lay = mc.GQALayout(4, 4, 8, query="q_proj", key="k_proj")
+  stack = mc.MatrixAxes((-2,), (-1,))
+  params = {"q_proj": {"kernel": jnp.zeros((2, 32, 4, 8))}, "k_proj": {"kernel": jnp.zeros((2, 32, 4, 8))},
+            "v_proj": {"kernel": jnp.zeros((2, 32, 4, 8))}, "o_proj": {"kernel": jnp.zeros((2, 4, 8, 32))},
+            "mlp": {"kernel": jnp.zeros((2, 32, 64))}, "bias3": {"bias": jnp.zeros((2, 4, 8))}}
+  with pytest.raises(ValueError) as err:
+    mc.attention_matrix_axes(lay, default=stack)(params)
+  msg = str(err.value)
+  assert "o_proj/kernel" in msg or "v_proj/kernel" in msg
+  assert "DenseGeneral" in msg and "value=/out=" in msg
+  cases = (("v_proj", (2, 32, 4, 8)), ("v_proj", (32, 4, 8)), ("o_proj", (4, 8, 32)), ("o_proj", (2, 4, 8, 32)))
+  for name, shape in cases:
+    with pytest.raises(ValueError, match=rf"{name}/kernel: .*shape {re.escape(str(shape))}.*value=/out="):
+      mc.attention_matrix_axes(lay, default=stack)({name: {"kernel": jnp.zeros(shape)}})
+  # told the names, every projection is one matrix; the scanned MLP gets `default`, the stacked bias None
+  got = mc.attention_matrix_axes(lay, value="v_proj", out="o_proj", default=stack)(params)
+  assert got["v_proj"]["kernel"] == got["q_proj"]["kernel"] == mc.MatrixAxes((-3,), (-2, -1))
+  assert got["o_proj"]["kernel"] == mc.MatrixAxes((-3, -2), (-1,))
+  assert got["mlp"]["kernel"] == stack and got["bias3"]["bias"] is None
+  # `default` applies at rank 3 only: a rank-4 stack is left to names or to the undeclared-rank error
+  assert mc.attention_matrix_axes(lay, default=stack)({"moe": {"kernel": jnp.zeros((2, 3, 32, 64))}}) == {
+      "moe": {"kernel": None}}
+  # a leaf with logical names is left to its names
+  named = {"v_proj": {"kernel": _boxed((2, 32, 4, 8), ("layers", "embed", "kv_heads", "kv"))}}
+  assert nn.unbox(mc.attention_matrix_axes(lay, default=stack)(named)) == {"v_proj": {"kernel": None}}
+  assert matrix_axes_lookup(mc.attention_matrix_axes(lay, default=stack), named)(
+      "v_proj/kernel", (2, 32, 4, 8)) == mc.MatrixAxes((1,), (2, 3))
