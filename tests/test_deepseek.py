@@ -313,6 +313,33 @@ def test_config_errors():
   assert mnn.mla_from_hf_config(scaling(**k)).yarn is not None
 
 
+def test_config_refuses_every_mscale_pair_hugging_face_applies_to_the_rotary_part():
+  """Hugging Face scales rotary cos/sin unless mscale == mscale_all_dim, both set and nonzero."""
+  from muonclip_jax.nn._deepseek import _hf_rotary_mscales
+
+  rs = {k: v for k, v in DEEPSEEK_V3["rope_scaling"].items() if k not in ("mscale", "mscale_all_dim")}
+  m40 = 0.1 * math.log(40) + 1.0
+  assert _hf_rotary_mscales(40.0, 1.0, 1.0) == (1.0, 1.0)
+  assert _hf_rotary_mscales(40.0, 0.707, 0.707) == (1.0, 1.0)
+  assert _hf_rotary_mscales(40.0, None, None) == pytest.approx((m40, m40))
+  assert _hf_rotary_mscales(40.0, 1.0, None) == pytest.approx((m40, m40))
+  assert _hf_rotary_mscales(40.0, None, 1.0) == pytest.approx((1.0, m40))
+  assert _hf_rotary_mscales(40.0, 0.0, None) == pytest.approx((1.0, m40))
+  assert _hf_rotary_mscales(1.0, 0.5, None) == (1.0, 1.0)  # no YaRN temperature at factor 1
+  assert _hf_rotary_mscales(40.0, 1.0, 1.0, attention_factor=2.0) == (1.0, 2.0)
+  for keys in ({}, {"mscale": 1.0}, {"mscale_all_dim": 1.0}, {"mscale": 0.707},
+               {"mscale_all_dim": 0.707}, {"mscale": 0.0}, {"mscale": 1.0, "mscale_all_dim": 0.0},
+               {"mscale": 1.0, "mscale_all_dim": 1.0, "attention_factor": 1.5}):
+    with pytest.raises(ValueError, match=r"rotary cos/sin by .*mscale_all_dim|mscale=.*mscale_all_dim="):
+      mnn.mla_from_hf_config(dict(DEEPSEEK_V3, rope_scaling=dict(rs, **keys)))
+  for keys in ({"mscale": 1.0, "mscale_all_dim": 1.0}, {"mscale": 0.707, "mscale_all_dim": 0.707},
+               {"mscale": 1.0, "mscale_all_dim": 1.0, "attention_factor": 1.0}):
+    m = mnn.mla_from_hf_config(dict(DEEPSEEK_V3, rope_scaling=dict(rs, **keys)))
+    assert m.yarn.mscale == keys["mscale_all_dim"]
+  # factor 1: no temperature anywhere, so a lone key is harmless
+  assert mnn.mla_from_hf_config(dict(DEEPSEEK_V3, rope_scaling=dict(rs, factor=1.0, mscale=0.5))).yarn is not None
+
+
 # ----------------------------------------------------------------------------- weights
 
 

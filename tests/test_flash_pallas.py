@@ -141,6 +141,18 @@ def test_validation():
     mnn.pallas_attention(q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2), softmax_scale=1.0)
 
 
+def test_default_interpret_by_backend():
+  """interpret=None: Triton on GPU, interpret mode on CPU, and no silent interpreting on TPU."""
+  from muonclip_jax.nn._flash_pallas import _default_interpret
+
+  assert _default_interpret("gpu") is False
+  assert _default_interpret("cpu") is True
+  for backend in ("tpu", "METAL"):
+    with pytest.raises(ValueError, match=rf"no variant for the '{backend}' backend.*interpret=True "
+                                         r"explicitly.*impl='chunked' or impl='dpa_max'"):
+      _default_interpret(backend)
+
+
 def _lower_for_cuda(shapes, dtype, kw, block_size):
   """Lowers fwd+bwd with capture through Pallas Triton (no GPU needed); returns the text."""
   from muonclip_jax.nn._flash_pallas import pallas_attention

@@ -184,3 +184,62 @@ def test_bad_inputs():
     dpa(q, k, v, module="attn")
   with pytest.raises(ValueError, match="precision must be None"):
     dpa(q, k, v, precision=(jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST))
+
+
+def _pallas_vs_dense(q, k, v, **kw):
+  """Outputs and sown maxima of the drop-in with impl='pallas' and with impl='dense'."""
+  pallas = functools.partial(dpa, impl="pallas")
+  return _sown(q, k, v, fn=pallas, **kw), _sown(q, k, v, **kw)
+
+
+def test_pallas_is_causal_and_key_padding_match_dense():
+  """impl='pallas' through attention_fn: is_causal=True without a mask, and key padding masks."""
+  rng = np.random.default_rng(6)
+  q, k, v = _qkv(rng, (2,), 12, 12, 2, 8, hkv=1)
+  key_valid = np.ones((2, 12), bool)
+  key_valid[0, 9:] = False
+  key_valid[1, :] = False  # a batch row without any key: Flax attends uniformly
+  cases = [
+      {"is_causal": True},
+      {"mask": jnp.asarray(key_valid[:, None, None, :])},  # (B, 1, 1, Tk)
+      {"mask": jnp.asarray(key_valid[0])},  # (Tk,): shared by the whole batch
+      {"mask": jnp.asarray(key_valid[:, None, None, :]), "is_causal": True},
+  ]
+  for kw in cases:
+    (out, sown), (want, want_max) = _pallas_vs_dense(q, k, v, **kw)
+    chex.assert_trees_all_close(out, want, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(sown, want_max, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(sown, np_max_logits(q, k, mask=kw.get("mask"), causal=kw.get("is_causal", False)),
+                               rtol=1e-5, atol=1e-5)
+  # Linen's MultiHeadDotProductAttention never passes is_causal: the partial sets it
+  x = jnp.asarray(rng.standard_normal((2, 8, 16)), jnp.float32)
+  causal_fn = functools.partial(dpa, impl="pallas", is_causal=True)
+  attn = nn.MultiHeadDotProductAttention(2, attention_fn=causal_fn)
+  params = attn.init(jax.random.key(0), x)
+  y, state = attn.apply(params, x, mutable=["intermediates"])
+  ref = nn.MultiHeadDotProductAttention(2).apply(params, x, mask=nn.make_causal_mask(jnp.ones((2, 8))))
+  chex.assert_trees_all_close(y, ref, atol=1e-5)
+  assert state["intermediates"]["max_logits"].shape == (2,)
+
+
+def test_pallas_rejects_general_masks_with_the_way_out():
+  rng = np.random.default_rng(7)
+  q, k, v = _qkv(rng, (2,), 8, 8, 2, 8)
+  pallas = functools.partial(dpa, impl="pallas")
+  hint = r"is_causal=True\) with no mask.*key padding masks of shape \(B, 1, 1, Tk\).*'dense', 'chunked' or 'dpa_max'"
+  with pytest.raises(ValueError, match=r"mask of shape \(2, 1, 8, 8\).*" + hint):
+    pallas(q, k, v, mask=nn.make_causal_mask(jnp.ones((2, 8))))
+  with pytest.raises(ValueError, match=r"mask of shape \(2, 2, 1, 8\).*" + hint):  # per head
+    pallas(q, k, v, mask=jnp.ones((2, 2, 1, 8), bool))
+  with pytest.raises(ValueError, match=r"is_causal=True with q_length != kv_length.*" + hint):
+    pallas(q, k[:, :6], v[:, :6], is_causal=True)
+  # the same mask is fine with the other implementations
+  dpa(q, k, v, mask=nn.make_causal_mask(jnp.ones((2, 8))), impl="chunked")
+
+
+def test_bad_impl_is_named_before_anything_else():
+  rng = np.random.default_rng(8)
+  q, k, v = _qkv(rng, (2,), 4, 4, 2, 8)
+  for kw in ({}, {"bias": jnp.zeros((2, 4, 4))}, {"dropout_rate": 0.1, "dropout_rng": jax.random.key(0)}):
+    with pytest.raises(ValueError, match=r"impl must be one of \('dense', 'chunked', 'pallas', 'dpa_max'\), got 'flash'"):
+      dpa(q, k, v, impl="flash", **kw)

@@ -408,7 +408,7 @@ def attention(
   * ``"chunked"``: ``chunked_attention``, online softmax in ``lax.scan`` (key blocks of
     ``block_size``).
   * ``"pallas"``: ``pallas_attention``, the fused Pallas flash kernel (Triton on GPU,
-    interpret mode elsewhere); tiles of ``min(block_size, 64)`` rounded down to a power of
+    interpret mode on the CPU, an error on TPU); tiles of ``min(block_size, 64)`` rounded down to a power of
     two. Does not take the explicit ``mask`` (``ValueError``).
   * ``"dpa_max"``: ``dpa_max_attention``, ``jax.nn.dot_product_attention`` (cuDNN where
     it applies) plus a max-only pass over key blocks of ``block_size``.

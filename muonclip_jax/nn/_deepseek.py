@@ -14,11 +14,15 @@ Choices, each following DeepSeek-V3's reference ``inference/model.py``:
   ``beta_slow`` (default 1) from ``rope_scaling``; only ``"yarn"`` scaling is accepted.
 - Temperature: the reference multiplies the whole softmax scale by ``mscale^2``,
   ``mscale = 0.1 m ln(factor) + 1``. We take ``m = rope_scaling["mscale_all_dim"]``, the
-  key Hugging Face's DeepseekV3 multiplies into its softmax scale, else
-  ``rope_scaling["mscale"]``, else 1 (the reference's default). Hugging Face also scales
-  the rotary cos/sin by ``mscale(m_mscale) / mscale(m_all_dim)``; that ratio is 1 when the
-  two keys agree (DeepSeek-V3 and Kimi K2: both 1.0), and a config where they differ is
-  refused rather than silently loaded with another temperature.
+  key Hugging Face's DeepseekV3 multiplies into its softmax scale. Hugging Face also scales
+  the rotary cos/sin (only the rope part of each logit) by a factor the module cannot
+  apply: DeepSeek's ``modeling_deepseek.py`` by ``mscale(m_mscale) / mscale(m_all_dim)``
+  with a missing ``mscale`` read as 1 and a missing ``mscale_all_dim`` as 0 (``mscale(0) =
+  1``); ``transformers`` by that ratio when both keys are set and nonzero, else by
+  ``mscale(1)``, or by ``rope_scaling["attention_factor"]`` when given. A config for which
+  either factor differs from 1 (with ``factor > 1``: the two keys differ, or one or both
+  is missing or 0) is refused rather than silently loaded with another temperature;
+  DeepSeek-V3 and Kimi K2 (both keys 1.0) load.
 - ``rope_interleave`` defaults to True (Hugging Face's default; the released DeepSeek-V3
   and Kimi K2 weights are stored for interleaved pairs), so weights load unpermuted.
 - The latent RMSNorms use epsilon 1e-6 in both the reference and Hugging Face
@@ -28,6 +32,7 @@ Choices, each following DeepSeek-V3's reference ``inference/model.py``:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -38,7 +43,7 @@ from flax import nnx
 
 from ._mla import MultiHeadLatentAttention
 from ._nnx import MultiHeadLatentAttentionNNX
-from ._rope import YarnScaling
+from ._rope import YarnScaling, yarn_mscale
 
 _PREFIX = "model.layers.{}.self_attn."
 _FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -68,11 +73,15 @@ def _yarn(config: Mapping) -> YarnScaling | None:
   if _get(config, "max_position_embeddings") <= original:
     return None  # the reference uses YaRN only when max_seq_len > original_seq_len
   m_all, m = scaling.get("mscale_all_dim"), scaling.get("mscale")
-  if m_all and m and m_all != m:
+  rotary = _hf_rotary_mscales(factor, m, m_all, scaling.get("attention_factor"))
+  if any(not math.isclose(r, 1.0, rel_tol=1e-12) for r in rotary):
     raise ValueError(
-        f"{where}: mscale={m!r} differs from mscale_all_dim={m_all!r}; the module applies one "
-        "temperature to the whole logit (DeepSeek-V3 reference), which equals Hugging Face's "
-        "only when the two agree"
+        f"{where}: mscale={m!r} and mscale_all_dim={m_all!r} (factor {factor}) make Hugging "
+        f"Face scale the rotary cos/sin by {rotary[0]:.6g} (DeepSeek's modeling code) / "
+        f"{rotary[1]:.6g} (transformers), i.e. only the rope part of the logits; the module "
+        "applies one temperature to the whole logit (DeepSeek-V3 reference), which equals "
+        "Hugging Face's only when both keys are set to the same nonzero value (DeepSeek-V3, "
+        "Kimi K2: 1.0 and 1.0)"
     )
   return YarnScaling(
       factor=factor, original_max_position=int(original),
@@ -80,6 +89,26 @@ def _yarn(config: Mapping) -> YarnScaling | None:
       beta_slow=float(scaling.get("beta_slow") or 1.0),
       mscale=float(m_all or m or 1.0),
   )
+
+
+def _hf_rotary_mscales(factor: float, mscale: float | None, mscale_all_dim: float | None,
+                      attention_factor: float | None = None) -> tuple[float, float]:
+  """The factors Hugging Face's DeepseekV3 multiplies its rotary cos/sin by (YaRN).
+
+  Returns ``(deepseek, transformers)``: DeepSeek's ``modeling_deepseek.py``
+  (``DeepseekV3YarnRotaryEmbedding``, defaults ``mscale=1``, ``mscale_all_dim=0``) and
+  ``transformers``' ``_compute_yarn_parameters`` (``attention_factor`` if given, else the
+  ratio when both keys are truthy, else ``yarn_mscale(factor)``). ``None`` = key missing.
+  """
+  deepseek = yarn_mscale(factor, 1.0 if mscale is None else mscale) / yarn_mscale(
+      factor, 0.0 if mscale_all_dim is None else mscale_all_dim)
+  if attention_factor is not None:
+    transformers = float(attention_factor)
+  elif mscale and mscale_all_dim:
+    transformers = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+  else:
+    transformers = yarn_mscale(factor)
+  return float(deepseek), float(transformers)
 
 
 def _mla_kwargs(config: Mapping) -> dict[str, Any]:

@@ -13,9 +13,11 @@ block's logits from ``Q``, ``K`` and the saved log-sum-exp: one accumulates ``dQ
 key blocks, one accumulates ``dK``, ``dV`` over query blocks and, for GQA, over the ``G``
 query heads that share the key/value head.
 
-Lowering: Pallas Triton on GPU (``jax.experimental.pallas.triton``); on any other backend
+Lowering: Pallas Triton on GPU (``jax.experimental.pallas.triton``); on a CPU backend
 the same kernels run in Pallas interpret mode (slow: for tests and CPU correctness, not
-speed; no TPU Mosaic variant is written). Triton needs power-of-two tiles of at least 16,
+speed). No TPU Mosaic variant is written: on any other backend (TPU) the default raises
+ValueError rather than silently interpreting; pass ``interpret=True`` to run it there
+anyway, or use ``impl="chunked"``/``"dpa_max"``. Triton needs power-of-two tiles of at least 16,
 so the head widths are zero-padded to the next power of two (MLA's 192 runs as 256: zero
 columns change no dot product) and the lengths to a multiple of the tile; padded keys
 are masked, padded queries are dropped before the maximum.
@@ -359,6 +361,20 @@ def _flash_bwd(cfg, res, cts):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+def _default_interpret(backend: str) -> bool:
+  """``interpret=None`` on ``backend``: False (Triton) on GPU, True on CPU, else ValueError."""
+  if backend in ("gpu", "cuda", "rocm"):
+    return False
+  if backend == "cpu":
+    return True
+  raise ValueError(
+      f"pallas_attention: the fused kernel has no variant for the {backend!r} backend (it is "
+      "written for Pallas Triton on GPU; on TPU there is no Mosaic variant), and interpret mode "
+      "there would be very slow; pass interpret=True explicitly to run it anyway, or use "
+      "impl='chunked' or impl='dpa_max'"
+  )
+
+
 def pallas_attention(
     q: jax.Array,
     k: jax.Array,
@@ -385,7 +401,8 @@ def pallas_attention(
     block_size: cap on the query and key tiles: the tile is the largest power of two
       ``<= min(block_size, 64)`` (32 in the backward kernels), at least 16, and no longer
       than the sequence rounded up to a power of two.
-    interpret: run the kernels in Pallas interpret mode; ``None``: unless on a GPU.
+    interpret: run the kernels in Pallas interpret mode. ``None``: compiled Triton on a
+      GPU, interpret mode on a CPU, ValueError on any other backend (no TPU variant).
     (the others as in ``dense_attention``)
   """
   if mask is not None:
@@ -403,7 +420,7 @@ def pallas_attention(
   b, tq, h, d = q.shape
   tk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
   if interpret is None:
-    interpret = jax.default_backend() != "gpu"
+    interpret = _default_interpret(jax.default_backend())
   cfg = _Cfg(
       scale=float(softmax_scale), causal=bool(causal), tq=tq, tk=tk,
       bq=_tile(block_size, tq), bk=_tile(block_size, tk), groups=h // hkv,

@@ -28,10 +28,27 @@ instead of the attention weights: call NNX attention modules with ``sow_weights=
 
 Implementation: without an additive ``bias`` and without active dropout the attention
 is ``muonclip_jax.nn.attention`` (``impl=``/``block_size=`` select its kernel; pass them
-with ``functools.partial(dot_product_attention, impl="chunked")``). A ``bias`` or dropout
-needs the attention weights, so those calls take a dense path that materializes them
-(``impl="dense"`` only; any other ``impl`` raises ValueError) and draws dropout exactly as
-Flax does (same ``dropout_rng``, same mask shapes), so outputs match Flax's.
+with ``functools.partial(dot_product_attention, impl="chunked")``; an ``impl`` outside
+``ATTENTION_IMPLS`` raises ValueError). A ``bias`` or dropout needs the attention weights,
+so those calls take a dense path that materializes them (``impl="dense"`` only; any other
+``impl`` raises ValueError) and draws dropout exactly as Flax does (same ``dropout_rng``,
+same mask shapes), so outputs match Flax's.
+
+Masks with ``impl="pallas"``: the fused kernel takes no explicit ``(B, H, Tq, Tk)`` mask,
+only causal masking and per-batch-row padding. Through ``attention_fn`` it therefore runs
+
+* causal self-attention given as ``is_causal=True`` with no mask:
+  ``functools.partial(dot_product_attention, impl="pallas", is_causal=True)`` for Linen
+  (which never passes ``is_causal``), or ``is_causal=True`` in the call of an
+  ``nnx.MultiHeadAttention`` (which always passes its own ``is_causal``);
+* a key padding mask, of a shape broadcastable as ``(B|1, 1, 1, Tk)`` (e.g.
+  ``key_valid[:, None, None, :]`` for a boolean ``key_valid`` of shape ``(B, Tk)``), which
+  becomes the kernel's ``kv_mask``; alone or with ``is_causal``.
+
+Any other mask (per head, per query row, or a full ``(B, 1, Tq, Tk)`` mask such as
+``nn.make_causal_mask``: the kernel cannot read mask values) raises ValueError; use
+``impl="dense"``, ``"chunked"`` or ``"dpa_max"`` for arbitrary masks. NNX's ``is_causal``
+with ``q_length != kv_length`` (a top-left aligned mask) is such a mask too.
 
 Differences from Flax, all documented: the logits and the softmax are always float32 (as
 ``force_fp32_for_softmax=True``), so bf16 results can differ from Flax's bf16 softmax in
@@ -52,7 +69,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.linen import module as _linen_module
 
-from ._attention import attention
+from ._attention import ATTENTION_IMPLS, attention
 from ._nnx import capturing_intermediates
 
 
@@ -116,6 +133,25 @@ def _to_4d(x: Any, name: str, batch: tuple[int, ...], full: tuple[int, int, int]
   if all(s == 1 for s in x.shape[:nb]):
     return x.reshape((1,) + x.shape[nb:])
   return jnp.broadcast_to(x, batch + x.shape[nb:]).reshape((math.prod(batch),) + x.shape[nb:])
+
+
+def _key_padding(allowed: jax.Array, mask: Any, b: int, tk: int, *, is_causal: bool) -> jax.Array:
+  """The ``(B, Tk)`` ``kv_mask`` equal to a ``(B|1, H|1, Tq|1, Tk|1)`` mask, for ``impl="pallas"``.
+
+  Only a mask without a head or query axis (a key padding mask, per batch row and shared
+  by all heads and queries) is expressible; any other raises ValueError.
+  """
+  if allowed.shape[1] == 1 and allowed.shape[2] == 1:
+    return jnp.broadcast_to(allowed[:, 0, 0, :], (b, tk))
+  what = ("is_causal=True with q_length != kv_length (a top-left aligned causal mask)" if is_causal
+          else f"a mask of shape {jnp.shape(mask)} (as (B, H, Tq, Tk): {allowed.shape})")
+  raise ValueError(
+      f"dot_product_attention: impl='pallas' cannot apply {what}: the fused kernel takes no "
+      "explicit (B, H, Tq, Tk) mask. Through attention_fn it supports causal self-attention as "
+      "functools.partial(dot_product_attention, impl='pallas', is_causal=True) with no mask "
+      "(NNX: call the module with is_causal=True), and key padding masks of shape (B, 1, 1, Tk); "
+      "for arbitrary masks use impl='dense', 'chunked' or 'dpa_max'"
+  )
 
 
 def _dense_with_weights(q, k, v, *, scale, bias, allowed, dropout, dtype):
@@ -196,13 +232,16 @@ def dot_product_attention(
     einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum: not supported
       (ValueError unless None).
     is_causal: NNX's causal mask (key ``j`` attends query ``i`` iff ``j <= i``).
-    impl: ``muonclip_jax.nn.attention``'s kernel (keyword-only, never passed by Flax).
+    impl: ``muonclip_jax.nn.attention``'s kernel, one of ``ATTENTION_IMPLS`` (keyword-only,
+      never passed by Flax). ``"pallas"`` takes only key padding masks (see module doc).
     block_size: key block of ``impl="chunked"``.
 
   Returns:
     ``(*batch, q_length, num_heads, v_head_dim)`` in ``dtype``.
   """
   del force_fp32_for_softmax  # the softmax is float32 in every case
+  if impl not in ATTENTION_IMPLS:
+    raise ValueError(f"dot_product_attention: impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
   for name, hook in (("einsum_dot_general", einsum_dot_general), ("qk_attn_weights_einsum", qk_attn_weights_einsum),
                      ("attn_weights_value_einsum", attn_weights_value_einsum)):
     if hook is not None:
@@ -250,8 +289,11 @@ def dot_product_attention(
       out, max_logits = _dense_with_weights(q4, k4, v4, scale=scale, bias=bias4, allowed=allowed,
                                             dropout=dropout, dtype=dt)
     else:
+      pair_mask, kv_mask = allowed, None
+      if impl == "pallas" and allowed is not None:
+        pair_mask, kv_mask = None, _key_padding(allowed, mask, b, tk, is_causal=bool(is_causal) and not causal)
       out, max_logits = attention(q4, k4, v4, softmax_scale=scale, impl=impl, block_size=block_size,
-                                  causal=causal, mask=allowed, return_max_logits=capture)
+                                  causal=causal, mask=pair_mask, kv_mask=kv_mask, return_max_logits=capture)
       if allowed is not None:  # Flax: a row with every key masked gets the mean of the values
         rows = allowed if not causal else allowed & jnp.tril(jnp.ones((tq, tk), bool))[None, None]
         some = jnp.any(jnp.broadcast_to(rows, rows.shape[:2] + (tq, tk)), axis=-1)  # (B|1, H|1, Tq)
