@@ -98,6 +98,10 @@ def parse_args(argv):
 def main(argv=None) -> int:
   try:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if not args.report_only or os.path.isdir(args.out):  # --report-only reads --out: a missing one is reported there
+      demo.prepare_dir(args.out)
+    if args.docs:
+      demo.prepare_dir(args.docs, "--docs")
     if args.mesh is not None:
       demo.use_devices(args.mesh)
     return run(args)
@@ -214,7 +218,7 @@ def write_report(args) -> str:
           records[arm.name][seed] = [json.loads(line) for line in f]
         with open(os.path.join(run_dir, "run.json")) as f:
           secs[arm.name].append(json.load(f)["sec_per_step"])
-  except FileNotFoundError as e:
+  except (FileNotFoundError, NotADirectoryError) as e:
     raise UsageError(f"--report-only: {e.filename} is missing; run the study with the same flags first") from None
   cfgs = {arm.name: model_config(arm) for arm in runs}
   stats = {arm.name: summarize(arm, records, cfgs[arm.name], secs[arm.name]) for arm in runs}

@@ -104,9 +104,23 @@ def load_corpus(seed: int, val_fraction: float = 0.1, max_bytes: int = 8_000_000
   return read(files[n_val:], max_bytes), read(files[:n_val], max_bytes // 8), len(files) - n_val, n_val
 
 
+def prepare_dir(path: str, flag: str = "--out") -> None:
+  """Creates directory ``path`` (and its parents) and checks that a file can be written there;
+  UsageError otherwise, so that a bad output path fails before training, not after it."""
+  import tempfile
+
+  try:
+    os.makedirs(path, exist_ok=True)
+    with tempfile.TemporaryFile(dir=path):
+      pass
+  except OSError as e:
+    raise UsageError(f"{flag} {path!r}: cannot create or write the directory ({e.strerror or e})") from None
+
+
 def main(argv=None) -> int:
   try:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    prepare_dir(args.out)
     if args.mesh is not None:
       use_devices(args.mesh)
     return run(args)
@@ -156,10 +170,15 @@ def make_data(split_seed: int, sample_seed: int, steps: int, batch: int, seq: in
 
 
 def lr_schedule(peak: float, steps: int):
-  """Linear warmup over 5% of the steps, cosine decay to 10% of ``peak``."""
+  """Linear warmup over 5% of the steps (at least 1), cosine decay to 10% of ``peak``.
+
+  The decay lasts at least one step, so that any ``steps >= 1`` gives a valid schedule
+  (optax rejects a decay of 0 steps); for ``steps >= 2`` it ends at ``steps``.
+  """
   import optax
 
-  return optax.warmup_cosine_decay_schedule(0.0, peak, max(1, steps // 20), steps, peak * 0.1)
+  warmup = max(1, steps // 20)
+  return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(steps, warmup + 1), peak * 0.1)
 
 
 LR_ADAMW, LR_MUON = 3e-3, 0.02

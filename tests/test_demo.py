@@ -47,3 +47,26 @@ def test_bad_input_gives_one_line_and_exit_status_2(argv, message, capsys, tmp_p
   err = capsys.readouterr().err
   assert rc == 2
   assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_an_out_path_that_cannot_be_created_gives_one_line_and_exit_status_2(capsys, tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("a regular file, not a directory")
+  for out in (blocker, blocker / "sub"):
+    rc = train_mla_lm.main(["--steps", "2", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1 and err.startswith("train_mla_lm.py: error: --out ") and "Traceback" not in err
+    assert "cannot create or write the directory" in err
+
+
+def test_steps_1_runs(tmp_path, capsys):
+  # --steps 1 used to crash in optax (the schedule's cosine decay had 0 steps).
+  out = tmp_path / "run"
+  rc = train_mla_lm.main(["--steps", "1", "--batch", "4", "--seq", "32", "--optimizers", "adamw", "--out", str(out)])
+  assert rc == 0
+  recs = [json.loads(line) for line in (out / "adamw" / "metrics.jsonl").read_text().splitlines()]
+  assert len(recs) == 1 and math.isfinite(recs[0]["loss"]) and math.isfinite(recs[0]["val_loss"])
+  for peak in (train_mla_lm.LR_ADAMW, train_mla_lm.LR_MUON):
+    lr = train_mla_lm.lr_schedule(peak, 1)
+    assert all(math.isfinite(float(lr(t))) for t in range(3))

@@ -103,6 +103,31 @@ def test_bad_flags_give_one_line_and_exit_status_2(argv, message, capsys, tmp_pa
   assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("flag", ["--out", "--docs"])
+def test_an_output_path_that_cannot_be_created_gives_one_line_and_exit_status_2(flag, capsys, tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("a regular file, not a directory")
+  argv = TINY + ["--out", str(tmp_path / "out"), flag, str(blocker / "sub")]
+  rc = stability_study.main(argv)
+  err = capsys.readouterr().err
+  assert rc == 2
+  assert err.count("\n") == 1 and err.startswith(f"stability_study.py: error: {flag} ") and "Traceback" not in err
+  assert "cannot create or write the directory" in err
+  assert not (tmp_path / "out" / "adamw").exists()  # failed before any training
+
+
+def test_one_step_is_accepted_and_every_arm_builds():
+  # --steps 1 used to crash every arm in optax (a cosine decay of 0 steps). A full 1-step
+  # study takes minutes of compilation; the demo's test runs one step end to end.
+  args = stability_study.parse_args(["--steps", "1", "--taus", "5,3"])
+  assert args.steps == 1
+  for arm in stability_study.arms(args.taus):
+    stability_study.build(arm, 1, None)
+  for peak in (stability_study.demo.LR_ADAMW, stability_study.demo.LR_MUON):
+    lr = stability_study.demo.lr_schedule(peak, 1)
+    assert all(math.isfinite(float(lr(t))) for t in range(3)) and float(lr(1)) == pytest.approx(peak)
+
+
 def _maxima(cfg, params, tokens):
   _, inter = jax.jit(make_loss_fn(cfg))(params, tokens)
   return np.asarray(inter["layers"]["attn"]["max_logits"][0])  # layer 0
@@ -114,9 +139,20 @@ def test_qk_norm_option_makes_logits_invariant_to_the_query_and_key_kernels_scal
   params = jax.jit(lambda: init_params(cfg, 0))()
   assert params["layers"]["attn"]["q_norm"]["scale"].shape == (2, 8)
   tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
-  grown = jax.tree_util.tree_map_with_path(
-      lambda path, x: x * 50.0 if jax.tree_util.keystr(path).count("'wq'") + jax.tree_util.keystr(path).count("'wk'")
-      else x, params)
+  def scaled(path):
+    return "'wq'" in jax.tree_util.keystr(path) or "'wk'" in jax.tree_util.keystr(path)
+
+  grown = jax.tree_util.tree_map_with_path(lambda path, x: x * 50.0 if scaled(path) else x, params)
+  # The scaling must actually have hit the query and key kernels (else grown == params and the
+  # invariance below would hold trivially).
+  hit = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(params) if scaled(path)]
+  assert any("'wq'" in k for k in hit) and any("'wk'" in k for k in hit)
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves(grown)):
+    if scaled(path):
+      np.testing.assert_allclose(np.asarray(y), 50.0 * np.asarray(x))
+      assert not np.allclose(np.asarray(y), np.asarray(x))
+    else:
+      np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
   np.testing.assert_allclose(_maxima(cfg, grown, tokens), _maxima(cfg, params, tokens), rtol=1e-4)
   plain = LMConfig(**{**cfg.__dict__, "qk_norm": False})
   params = jax.jit(lambda: init_params(plain, 0))()
