@@ -23,6 +23,7 @@ import optax
 
 import muonclip_jax as mc
 from muonclip_jax.nn import dot_product_attention
+from _recipe_common import batches, train_linen  # noqa: F401 (recipe.batches: the tests' data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,29 +98,13 @@ def make_step(model: GPT2, opt: optax.GradientTransformationExtraArgs):
   return step
 
 
-def batches(cfg: Config, batch_size: int, seed: int = 0):
-  """Token sequences counting up from a random start: learnable in a few steps."""
-  key = jax.random.key(seed)
-  while True:
-    key, sub = jax.random.split(key)
-    start = jax.random.randint(sub, (batch_size, 1), 0, cfg.vocab)
-    yield (start + jnp.arange(cfg.seq_len + 1)[None, :]) % cfg.vocab
-
-
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=30)
   args = parser.parse_args(argv)
   cfg = Config()
   model, opt = GPT2(cfg), optimizer(cfg)
-  data = batches(cfg, batch_size=8)
-  params = model.init(jax.random.key(0), next(data)[:, :-1])["params"]
-  opt_state, step = opt.init(params), make_step(model, opt)
-  for i in range(args.steps):
-    params, opt_state, loss, intermediates = step(params, opt_state, next(data))
-    if i % 10 == 0 or i == args.steps - 1:
-      top = max(float(jnp.max(x)) for x in jax.tree.leaves(intermediates))
-      print(f"step {i:3d}  loss {float(loss):.3f}  max logit {top:.2f}")
+  train_linen(model, opt, make_step, cfg, args.steps)
 
 
 if __name__ == "__main__":

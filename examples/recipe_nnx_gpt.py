@@ -15,13 +15,13 @@ import argparse
 import dataclasses
 from collections.abc import Callable
 
-import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
 import muonclip_jax as mc
 from muonclip_jax.nn import dot_product_attention
+from _recipe_common import batches, train
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,15 +85,6 @@ def step(model: GPT, opt: nnx.Optimizer, tokens):
   return loss, intermediates
 
 
-def batches(cfg: Config, batch_size: int, seed: int = 0):
-  """Token sequences counting up from a random start: learnable in a few steps."""
-  key = jax.random.key(seed)
-  while True:
-    key, sub = jax.random.split(key)
-    start = jax.random.randint(sub, (batch_size, 1), 0, cfg.vocab)
-    yield (start + jnp.arange(cfg.seq_len + 1)[None, :]) % cfg.vocab
-
-
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=30)
@@ -101,12 +92,7 @@ def main(argv=None):
   cfg = Config()
   model = GPT(cfg, rngs=nnx.Rngs(0))
   opt = nnx.Optimizer(model, optimizer(cfg), wrt=nnx.Param)
-  data = batches(cfg, batch_size=8)
-  for i in range(args.steps):
-    loss, intermediates = step(model, opt, next(data))
-    if i % 10 == 0 or i == args.steps - 1:
-      top = max(float(jnp.max(x)) for x in jax.tree.leaves(intermediates))
-      print(f"step {i:3d}  loss {float(loss):.3f}  max logit {top:.2f}")
+  train(lambda tokens: step(model, opt, tokens), batches(cfg, batch_size=8), args.steps)
 
 
 if __name__ == "__main__":
