@@ -107,7 +107,29 @@ def tau_between(maxima):
   return tau
 
 
-def linen_recipe_check(module, cfg, model_cls, flax_attention, expected_fn, matrix_axes=None, exact_slices=()):
+def captured_qk(model, params, tokens):
+  """Per layer ``(q, k, causal mask, False)`` from Flax's own ``query``/``key`` DenseGeneral outputs.
+
+  For scanned models: a ``jax.debug.callback`` inside an ``nn.scan`` body is refused by flax >= 0.12.12
+  ("broadcasted variable has a data dependency on the scan body"), so ``recorder`` cannot be used there.
+  """
+  _, state = model.apply({"params": params}, tokens, mutable=["intermediates"],
+                         capture_intermediates=lambda mdl, _: mdl.name in ("query", "key"))
+  found = {p: np.asarray(x) for p, x in flat(state["intermediates"]).items() if p.endswith("__call__/0")}
+  qs = sorted(p for p in found if p.endswith("/query/__call__/0"))
+  t = tokens.shape[-1]
+  mask = np.tril(np.ones((t, t), bool))
+  out = []
+  for path in qs:
+    q, k = found[path], found[path.replace("/query/", "/key/")]
+    for ql, kl in (zip(q, k) if q.ndim == 5 else [(q, k)]):  # a scanned stack: (layers, B, T, H, D)
+      out.append((ql, kl, mask, False))
+  return out
+
+
+def linen_recipe_check(module, cfg, model_cls, flax_attention, expected_fn, matrix_axes=None, exact_slices=(),
+                       records=None):
+  """``records``: ``(model, params, inputs) -> [(q, k, mask, causal)]`` per layer; default: ``recorder``."""
   tokens = next(module.batches(cfg, batch_size=4))
   model = model_cls(cfg)
   params = model.init(jax.random.key(0), tokens[:, :-1])["params"]
@@ -117,10 +139,12 @@ def linen_recipe_check(module, cfg, model_cls, flax_attention, expected_fn, matr
   chex.assert_trees_all_close(ours, theirs, atol=1e-5, rtol=1e-5)
   # 2. sown maxima = NumPy on the q, k that reached the attention
   store = []
-  probe = model_cls(cfg, recorder(store))
+  probe = model_cls(cfg, recorder(store)) if records is None else model
   grad_fn = jax.jit(jax.value_and_grad(lambda p, t: module.loss_fn(p, probe, t), has_aux=True))
   (_, intermediates), grads = grad_fn(params, tokens)
   jax.effects_barrier()
+  if records is not None:
+    store = records(model, params, tokens[:, :-1])
   maxima = sown_by_layer(intermediates, cfg.num_heads)
   assert maxima.shape == (cfg.num_layers, cfg.num_heads) and len(store) == cfg.num_layers
   np.testing.assert_allclose(maxima, np.stack([np_max_logits(*rec) for rec in store]), rtol=2e-5, atol=2e-6)
@@ -154,7 +178,8 @@ def test_recipe_linen_gpt(scan):
   prefix = ["layers"] if scan else [f"block_{i}" for i in range(cfg.num_layers)]
   axes = None if scan else mc.attention_matrix_axes(cfg.layout)
   linen_recipe_check(mod, cfg, mod.GPT, nn.dot_product_attention,
-                     lambda ref, s, tau: dense_general_expected(ref, s, tau, cfg, prefix), matrix_axes=axes)
+                     lambda ref, s, tau: dense_general_expected(ref, s, tau, cfg, prefix), matrix_axes=axes,
+                     records=captured_qk if scan else None)
 
 
 def test_recipe_llama_gqa():
