@@ -1,8 +1,10 @@
-# `make test`, `make demo` and `make study` each create .venv and install what they need.
+# `make test`, `make demo` and `make study` each create a virtualenv and install what they need.
 # `make demo` and `make study` write only under runs/ (git-ignored); `make demo-docs` and
 # `make study-docs` also refresh the pictures and tables the README shows, under docs/.
+# PYTHON picks the interpreter (`make test PYTHON=python3.12`); each gets its own virtualenv,
+# .venv for the default python3 and .venv-<interpreter> otherwise.
 PYTHON ?= python3
-VENV := .venv
+VENV ?= $(if $(filter python3,$(PYTHON)),.venv,.venv-$(notdir $(PYTHON)))
 BIN := $(VENV)/bin
 
 .PHONY: test demo demo-docs study study-docs bench clean
@@ -36,4 +38,4 @@ study-docs: $(VENV)/.installed
 	$(BIN)/python examples/stability_study.py --out runs/study --docs docs/study
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf .venv .venv-* runs .pytest_cache
