@@ -49,7 +49,6 @@ import contextlib
 import inspect
 import functools
 import os
-import re
 import subprocess
 import sys
 import types
@@ -66,6 +65,7 @@ import muonclip_jax as mc
 from muonclip_jax import _distributed_ns, _newton_schulz, _ns_planner, sharding
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hlo_collectives  # noqa: E402
 import model_shapes  # noqa: E402
 
 KELLER = dict(ns_coeffs="muon", ns_steps=5, ns_method="standard")
@@ -75,9 +75,7 @@ MESHES = {
     "data 1 x model 8": ((1, 8), ("data", "model")),
     "fsdp 2 x model 4": ((2, 4), ("fsdp", "model")),
 }
-_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8, "s8": 1, "u8": 1,
-          "pred": 1}
-COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "reduce-scatter", "collective-permute")
+COLLECTIVES = hlo_collectives.COLLECTIVES
 
 
 def gpt2_hidden_matrices(layers: int, d: int) -> tuple[dict, dict]:
@@ -100,34 +98,9 @@ def unrolled_loops():
     jax.lax.fori_loop = original
 
 
-def _group_size(line: str, devices: int) -> int:
-  m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
-  if m:
-    return len(m.group(1).split(","))
-  m = re.search(r"replica_groups=\[([\d,]+)\]<=", line)
-  if m:
-    return int(m.group(1).split(",")[-1])
-  return devices
-
-
 def communication(hlo: str, devices: int) -> tuple[float, dict[str, int]]:
   """(estimated bytes received per device, {collective: count}) of a compiled HLO text."""
-  total, counts = 0.0, {}
-  for line in hlo.splitlines():
-    for op in COLLECTIVES:
-      m = re.search(rf"= (.*?) {op}(-start)?\(", line)
-      if not m:
-        continue
-      shapes = re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
-      if m.group(2):  # async start: (operands..., result); count the result
-        shapes = shapes[-1:]
-      size = sum(_BYTES.get(t, 4) * int(np.prod([int(x) for x in dims.split(",") if x] or [1])) for t, dims in shapes)
-      g = _group_size(line, devices)
-      factor = {"all-gather": (g - 1) / g, "all-to-all": (g - 1) / g, "all-reduce": 2 * (g - 1) / g,
-                "reduce-scatter": g - 1, "collective-permute": 1.0}[op]
-      total += size * factor
-      counts[op] = counts.get(op, 0) + 1
-  return total, counts
+  return hlo_collectives.communication(hlo, devices)
 
 
 def analytic(params: dict, **ns) -> float | None:

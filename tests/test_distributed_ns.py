@@ -3,7 +3,6 @@
 import functools
 import math
 import os
-import re
 import sys
 
 import chex
@@ -21,6 +20,7 @@ from muonclip_jax import _distributed_ns, _newton_schulz, _ns_planner, sharding
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_sharding  # noqa: E402
+import hlo_collectives  # noqa: E402
 import model_shapes  # noqa: E402
 
 MESHES = {  # name: (mesh shape, axis names)
@@ -77,18 +77,17 @@ def test_sharded_update_equals_single_device(mesh_name, set_name):
   # The only all-gathers are the results' blocks over the axes that replicate them: a
   # result (g, s, C) gathered over g devices, g * s = 8, s devices sharding the blocks. They
   # hold fewer elements than the sharded parameters whole (what gathering them would take).
-  text = compiled.as_text()
-  gathers = re.findall(r"= [a-z0-9]+\[([\d,]*)\][^=\n]*? all-gather(?:-start)?\(.*replica_groups=\{\{([\d,]*)\}", text)
-  assert len(gathers) == len(re.findall(r" all-gather(?:-start)?\(", text))
-  for dims, group in gathers:
-    g, s, _ = (int(d) for d in dims.split(","))
-    assert g == len(group.split(",")) and g * s == 8, (dims, group)
-  gathered = sum(math.prod(int(d) for d in dims.split(",")) for dims, _ in gathers)
+  found = hlo_collectives.collectives(compiled.as_text(), 8)
+  gathers = [c for c in found if c.op == "all-gather"]
+  assert gathers
+  for c in gathers:
+    (_, (g, s, _)), = c.shapes
+    assert c.group_size == g and g * s == 8, c
+  gathered = sum(c.elements for c in gathers)
   whole = sum(x.size for x in jax.tree.leaves(sp) if not x.sharding.is_fully_replicated)
   if mesh_name != "data8x1":  # (8x1: every parameter is replicated, hence whole everywhere)
     assert gathered < whole, (gathered, whole)
-  assert not re.search(r"all-reduce|reduce-scatter", text)
-
+  assert not [c for c in found if c.op in ("all-reduce", "reduce-scatter")]
 
 @pytest.fixture
 def unrolled(monkeypatch):
@@ -242,3 +241,42 @@ def test_traced_step_count_under_inject_hyperparams():
   sp = jax.device_put(params, ps)
   out = jax.jit(opt.update)(sp, opt.init(sp))[0]
   chex.assert_trees_all_close(jax.device_get(out), jax.device_get(expected), atol=1e-5)
+
+
+def test_hlo_collective_parser_reads_every_replica_group_spelling():
+  """The three spellings of ``replica_groups`` (lists: JAX 0.10; iota; mesh axes: JAX 0.12)."""
+  lines = {
+      "lists": "%all_gather.19 = f32[2,4,5632]{2,1,0} all-gather(%c), channel_id=1, "
+               "replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={0}, use_global_device_ids=true",
+      "iota": "%all_gather.19 = f32[2,4,5632]{2,1,0} all-gather(%c), channel_id=1, "
+              "replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}, use_global_device_ids=true",
+      "mesh": "%all_gather.19 = f32[2,4,5632]{2,1,0} all-gather(%c), channel_id=1, "
+              "replica_groups=mesh['data'=2,'model'=4] {'data'}, dimensions={0}, use_global_device_ids=true",
+  }
+  for form, line in lines.items():
+    (c,) = hlo_collectives.collectives(line, 8)
+    assert c.op == "all-gather" and c.shapes == (("f32", (2, 4, 5632)),), form
+    assert c.groups == ((0, 4), (1, 5), (2, 6), (3, 7)), (form, c.groups)
+    assert hlo_collectives.received_bytes(c) == 2 * 4 * 5632 * 4 / 2
+  a2a = ("%all-to-all.1 = (f32[1,1024]{1,0}, f32[1,1024]{1,0}, f32[1,1024]{1,0}, f32[1,1024]{1,0}) all-to-all("
+         "%s.4, %s.5, %s.6, %s.7), channel_id=1, replica_groups={}")
+  (c,) = hlo_collectives.collectives(a2a, 4)
+  assert c.groups == ((0, 1, 2, 3),) and c.nbytes == 4 * 1024 * 4
+  for groups, expected in (("[2,4]<=[8]", ((0, 1, 2, 3), (4, 5, 6, 7))),
+                           ("mesh['data'=2,'model'=4] {'model'}", ((0, 1, 2, 3), (4, 5, 6, 7))),
+                           ("mesh['data'=2,'fsdp'=2,'model'=2] {'data','model'}", ((0, 1, 4, 5), (2, 3, 6, 7))),
+                           ("[1,8]<=[8]", (tuple(range(8)),))):
+    line = f"%ar = bf16[8,8]{{1,0}} all-reduce(%x), replica_groups={groups}, to_apply=%add"
+    (c,) = hlo_collectives.collectives(line, 8)
+    assert c.groups == expected and c.nbytes == 128, (groups, c.groups)
+  start = ("%ags = (f32[4]{0}, f32[16]{0}) all-gather-start(%x), replica_groups={{0,1,2,3}}, dimensions={0}\n"
+           "%agd = f32[16]{0} all-gather-done(%ags)")
+  (c,) = hlo_collectives.collectives(start, 4)
+  assert c.shapes == (("f32", (16,)),)
+  # The running compiler's own spelling, whatever the JAX version: a 2 x 4 mesh, gathered over data.
+  mesh = _mesh("data2x4")
+  f = jax.jit(jax.shard_map(lambda x: jax.lax.all_gather(x, "data", tiled=True), mesh=mesh,
+                            in_specs=jax.sharding.PartitionSpec("data", "model"),
+                            out_specs=jax.sharding.PartitionSpec(None, "model"), check_vma=False))
+  found = hlo_collectives.collectives(f.lower(jnp.zeros((2, 4))).compile().as_text(), 8)
+  assert [c.op for c in found] == ["all-gather"] and found[0].groups == ((0, 4), (1, 5), (2, 6), (3, 7))
