@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 
 import muonclip_jax as mc
-from muonclip_jax import _distributed_ns, _newton_schulz, _ns_planner, sharding
+from muonclip_jax import _distributed_ns, _newton_schulz, _ns_planner, _split_ns, sharding
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_sharding  # noqa: E402
@@ -280,3 +280,52 @@ def test_hlo_collective_parser_reads_every_replica_group_spelling():
                             out_specs=jax.sharding.PartitionSpec(None, "model"), check_vma=False))
   found = hlo_collectives.collectives(f.lower(jnp.zeros((2, 4))).compile().as_text(), 8)
   assert [c.op for c in found] == ["all-gather"] and found[0].groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+
+
+# ----------------------------------------------------------------------------- split matrices
+
+# One MLA layer and an MLP matrix (64, 512) holding ~60% of the set's FLOPs: more than the
+# ideal share of 8 devices, so whole-matrix placement cannot balance it.
+_BIG = {**model_shapes.mla_attention(64, 4, 48, 32, 16, 8, 16), "big": ((64, 512), ("embed", "mlp"))}
+
+
+@pytest.mark.parametrize("method", ["auto", "standard"])
+def test_split_matrix_equals_single_device(method):
+  """A matrix split over a device group: same update, same shardings, planner's bytes.
+
+  ``shard_split="always"`` splits it (on the H100 model these tiny matrices would not pay).
+  ``"auto"`` runs Gram NS on the (64, 512) matrix and the standard iteration on the
+  others; ``"standard"`` the standard one everywhere. No all-gather brings the split
+  parameter whole to a device: every gathered result (the ``m x m`` iterates, a group's
+  slabs, the whole matrices' block buffers) is at most a quarter of it.
+  """
+  mesh = _mesh("data2x4")
+  abstract, names = model_shapes.model(_BIG, 1)
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), abstract)
+  grads = jax.tree.map(lambda x: jnp.sin(3 * x), params)
+  ns = dict(ns_method=method)
+  single = mc.scale_by_muon(matrix_axes=AXES, **ns)
+  ref = jax.device_get(jax.jit(single.update)(grads, single.init(params))[0])
+  ps = sharding.param_shardings(params, mesh, logical_axes=names)
+  opt = mc.scale_by_muon(matrix_axes=AXES, shard_orthogonalization=ps, shard_split="always", **ns)
+  sp, sg = jax.device_put(params, ps), jax.device_put(grads, ps)
+  state = sharding.init_state(opt, sp, ps)
+  compiled = jax.jit(opt.update).lower(sg, state).compile()
+  out, new_state = compiled(sg, state)
+  chex.assert_trees_all_close(jax.device_get(out), ref, atol=1e-5)
+  for a, b in zip(jax.tree.leaves(out) + jax.tree.leaves(new_state), jax.tree.leaves(sp) * 2):
+    assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+  xs, ss = jax.tree.leaves(sg), jax.tree.leaves(ps)
+  leaves = _distributed_ns.describe(xs, [AXES.resolve("w", x.shape) for x in xs], mesh, ss)
+  kw = dict(steps=None, coeffs="polar_express_4", method=method, eps=1e-7)
+  assert _split_ns.resolve(kw, 64, 512)["gram"] == (method == "auto")
+  hplan = _distributed_ns.plan_of(leaves, mesh, _distributed_ns.ns_flops_of(kw), kw, "always")
+  assert [(s.m, s.n) for s in hplan.splits if (s.m, s.n) == (64, 512)], hplan.splits
+  found = hlo_collectives.collectives(compiled.as_text(), 8)
+  assert sum(hlo_collectives.received_bytes(c) for c in found) == hplan.comm
+  gathers = [c for c in found if c.op == "all-gather"]
+  assert all(c.elements <= 64 * 512 // 4 for c in gathers), gathers
+  assert any(c.op == "all-reduce" for c in found)  # the split Gram matrix
+  never = _distributed_ns.plan_of(leaves, mesh, _distributed_ns.ns_flops_of(kw), kw, "never")
+  assert hplan.max_flops < never.max_flops and not never.splits
