@@ -329,3 +329,27 @@ def test_split_matrix_equals_single_device(method):
   assert any(c.op == "all-reduce" for c in found)  # the split Gram matrix
   never = _distributed_ns.plan_of(leaves, mesh, _distributed_ns.ns_flops_of(kw), kw, "never")
   assert hplan.max_flops < never.max_flops and not never.splits
+
+
+@pytest.mark.parametrize("devices", [16, 64])
+def test_split_matrix_compiled_on_16_and_64_devices(devices):
+  """One matrix with ~60% of the FLOPs: per-device FLOPs within 1.15x of total / devices.
+
+  Compiled in a child process (``tests/_split_child.py``) with ``devices`` fake CPU devices:
+  XLA's cost analysis of the per-device program (loops unrolled), the HLO's bytes against
+  the planner's, and the result against the single-device one.
+  """
+  import json
+  import subprocess
+
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  root = os.path.join(os.path.dirname(__file__), "..")
+  env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(root)] + [p for p in [env.get("PYTHONPATH")] if p])
+  run = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "_split_child.py"), str(devices)],
+                       capture_output=True, text=True, env=env, timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  got = json.loads(run.stdout.strip().splitlines()[-1])
+  assert got["splits"] and got["splits"][0][:2] == [128, 2048], got
+  assert got["flops"] <= 1.15 * got["single"] / devices, got
+  assert got["bytes"] == got["planned_bytes"], got
+  assert got["err"] <= 1e-5 and got["same_sharding"], got
