@@ -50,28 +50,61 @@ def resolve(ns_kwargs: dict, m: int, n: int) -> dict | None:
               eps=ns_kwargs.get("eps", 1e-7), compute_dtype=ns_kwargs.get("compute_dtype"))
 
 
+def _half(g: int) -> int:
+  """Blocks per block row that ``_sym_full`` computes: ``(p, p + i mod g)``, ``i <= g // 2``."""
+  return g // 2 + 1
+
+
 def cost(it: dict, m: int, n: int, g: int, itemsize: int) -> tuple[float, list[tuple[str, int, float]]]:
   """(FLOPs per device, [(collective, result bytes, group size)]) of one matrix split over ``g``.
 
   The collectives are those of ``iterate`` on one matrix; a stack of ``q`` has ``q`` times
-  the bytes in the same collectives.
+  the bytes in the same collectives. The FLOPs count the matmuls and, unlike ``ns_flops``,
+  the ``m x m`` elementwise work every device of the group repeats (``4 m^2`` a step: the
+  polynomial ``a I + b R + c R^2``), which matters once ``g`` approaches ``m``.
   """
-  w = n // g
+  w, r, h = n // g, m // g, _half(g)
   K = it["steps"]
   sym = 0.75 if m >= nsm.SYMMETRIC_MIN and m % 2 == 0 else 1.0
+  half = 2 * h * r * r * m  # a symmetric m x m product from row blocks (``_sym_full``)
+  half_bytes = g * h * r * r
   if not it["gram"]:
-    flops = K * (sym * 2 * m * m * w + 4 * m * m * w)
-    return flops, [("all-reduce", m * m * 4, g)] + [("all-reduce", m * m * itemsize, g)] * (K - 1)
-  rows = m // g
+    flops = K * (sym * 2 * m * m * w + half + 2 * m * m * w + 4 * m * m)
+    colls = [("all-reduce", m * m * 4, g), ("all-gather", half_bytes * itemsize, g)]
+    colls += [("all-reduce", m * m * itemsize, g), ("all-gather", half_bytes * itemsize, g)] * (K - 1)
+    return flops, colls
   f = sym * 2 * m * m * w + 2 * m * m * w
-  f += K * 2 * rows * m * m + (K - 1) * 2 * rows * m * m + (K - 1) * 4 * rows * m * m
+  f += K * (half + 4 * m * m) + (K - 1) * 2 * r * m * m + (K - 1) * (2 * r * m * m + half)
   wb = 4  # the m x m iteration runs in float32 (or wider)
-  gathers = (K if K > 1 else 0) + (K - 1) + 1
-  return f, [("all-reduce", m * m * wb, g)] + [("all-gather", m * m * wb, g)] * gathers
+  colls = [("all-reduce", m * m * wb, g)] + [("all-gather", half_bytes * wb, g)] * (2 * K - 1)
+  return f, colls + [("all-gather", m * m * wb, g)]
 
 
 def _rows(x: jax.Array, p: jax.Array, r: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(x, p * r, r, axis=-2)
+
+
+def _sym_full(rows: jax.Array, right: jax.Array, p: jax.Array, g: int, axes: tuple[str, ...]) -> jax.Array:
+  """The whole ``L @ right`` (``(q, m, m)``), known to be symmetric, from ``rows = L``'s row
+  block ``p`` on device ``p``: each device computes the blocks ``(p, p + i mod g)``,
+  ``i <= g // 2`` (every block or its mirror once, about half), all-gathers them, and
+  mirrors the rest."""
+  q, r, m = rows.shape
+  h = _half(g)
+  cols = jnp.take(right.reshape(q, m, g, r), (p + jnp.arange(h)) % g, axis=2)  # (q, m, h, r)
+  mine = jnp.einsum("qrm,qmjc->qjrc", rows, cols)  # (q, h, r, r): blocks (p, p + j)
+  every = jax.lax.all_gather(mine, axes, axis=1).reshape(q, g * h, r, r)
+  pool = jnp.concatenate([every, jnp.swapaxes(every, -1, -2)], axis=1)
+  idx = np.full((g, g), -1)
+  for a in range(g):
+    for i in range(h):
+      idx[a, (a + i) % g] = a * h + i
+  for a in range(g):
+    for i in range(h):
+      if idx[(a + i) % g, a] < 0:
+        idx[(a + i) % g, a] = g * h + a * h + i
+  blocks = jnp.take(pool, jnp.asarray(idx.reshape(-1)), axis=1).reshape(q, g, g, r, r)
+  return jnp.swapaxes(blocks, 2, 3).reshape(q, m, m)
 
 
 def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
@@ -81,6 +114,9 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
   table = np.asarray(it["table"])
   last = table.shape[0] - 1
   eps, K = it["eps"], it["steps"]
+  m = x.shape[-2]
+  r = m // g
+  p = jax.lax.axis_index(axes)
   X = x.astype(dtype)
   gram_f = lambda X, t=None: jax.lax.psum(nsm._gram_of(X, False, t), axes)
   A = gram_f(X, jnp.float32)  # X X^T of the input, float32: its trace is ||x||_F^2
@@ -95,36 +131,19 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
   if not it["gram"]:
     for k in range(K):
       a, b, c = (float(v) for v in table[min(k, last)])
-      if k:
-        A = gram_f(X)
-      Ad = A.astype(dtype)
-      AX = jnp.matmul(Ad, X)
-      X = a * X + b * AX + c * jnp.matmul(Ad, AX)
+      Ad = A.astype(dtype) if not k else gram_f(X)
+      B = b * Ad + c * _sym_full(_rows(Ad, p, r), Ad, p, g, axes)
+      X = a * X + jnp.matmul(B, X)
     return X.astype(x.dtype)
-  m = A.shape[-1]
-  r = m // g
-  p = jax.lax.axis_index(axes)
   R = A.astype(wdtype)
-  eye_rows = _rows(jnp.broadcast_to(jnp.eye(m, dtype=wdtype), R.shape), p, r)
-  gather = lambda rows: jax.lax.all_gather(rows, axes, axis=rows.ndim - 2, tiled=True)
+  eye = jnp.eye(m, dtype=wdtype)
   Q_rows = None
   for k in range(K):
     a, b, c = (float(v) for v in table[min(k, last)])
     R_rows = _rows(R, p, r)
-    H_rows = a * eye_rows + b * R_rows + c * jnp.matmul(R_rows, R)
-    H = gather(H_rows) if (K > 1) else None
-    Q_rows = H_rows if Q_rows is None else jnp.matmul(Q_rows, H)
+    H = a * eye + b * R + c * _sym_full(R_rows, R, p, g, axes)
+    Q_rows = _rows(H, p, r) if Q_rows is None else jnp.matmul(Q_rows, H)
     if k + 1 < K:
-      R = gather(jnp.matmul(jnp.matmul(R_rows, H), H))
-  Q = gather(Q_rows)
+      R = _sym_full(jnp.matmul(R_rows, H), H, p, g, axes)  # R H H = H R H
+  Q = jax.lax.all_gather(Q_rows, axes, axis=1, tiled=True)
   return nsm._apply(Q, X, False).astype(x.dtype)
-
-
-def describe_collectives(it: dict, m: int, n: int, g: int, itemsize: int, q: int) -> list[tuple[str, int, int]]:
-  """``cost``'s collectives for a stack of ``q`` matrices."""
-  return [(op, q * b, gs) for op, b, gs in cost(it, m, n, g, itemsize)[1]]
-
-
-def flops(it: dict, m: int, n: int, g: int) -> float:
-  return cost(it, m, n, g, 4)[0]
-

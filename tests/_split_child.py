@@ -33,9 +33,9 @@ MESHES = {16: ((2, 8), ("data", "model")), 64: ((8, 8), ("data", "model"))}
 def main():
   shape, names = MESHES[N]
   mesh = Mesh(np.array(jax.devices()).reshape(shape), names)
-  # One (128, 2048) matrix, ~60% of the FLOPs (far above 1/N of them), and a stack of
+  # One (256, 4096) matrix, most of the FLOPs (far above 1/N of them), and a stack of
   # small ones: the big one is split, the stack placed whole.
-  specs = {"big": ((128, 2048), P(None, "model")), "small": ((N, 32, 64), P(None, None, "model"))}
+  specs = {"big": ((256, 4096), P(None, "model")), "small": ((N, 32, 64), P(None, None, "model"))}
   rng = np.random.default_rng(0)
   xs = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s, _ in specs.values()]
   ss = [NamedSharding(mesh, p) for _, p in specs.values()]

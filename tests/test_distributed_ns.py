@@ -333,7 +333,7 @@ def test_split_matrix_equals_single_device(method):
 
 @pytest.mark.parametrize("devices", [16, 64])
 def test_split_matrix_compiled_on_16_and_64_devices(devices):
-  """One matrix with ~60% of the FLOPs: per-device FLOPs within 1.15x of total / devices.
+  """One matrix with most of the FLOPs: per-device FLOPs within 1.15x of total / devices.
 
   Compiled in a child process (``tests/_split_child.py``) with ``devices`` fake CPU devices:
   XLA's cost analysis of the per-device program (loops unrolled), the HLO's bytes against
@@ -349,7 +349,7 @@ def test_split_matrix_compiled_on_16_and_64_devices(devices):
                        capture_output=True, text=True, env=env, timeout=600)
   assert run.returncode == 0, run.stderr[-3000:]
   got = json.loads(run.stdout.strip().splitlines()[-1])
-  assert got["splits"] and got["splits"][0][:2] == [128, 2048], got
+  assert got["splits"] and got["splits"][0][:2] == [256, 4096], got
   assert got["flops"] <= 1.15 * got["single"] / devices, got
   assert got["bytes"] == got["planned_bytes"], got
   assert got["err"] <= 1e-5 and got["same_sharding"], got
