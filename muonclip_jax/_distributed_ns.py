@@ -1,4 +1,5 @@
-"""Distributed Newton–Schulz: each matrix orthogonalized whole on one device of a mesh.
+"""Distributed Newton–Schulz: each matrix orthogonalized whole on one device of a mesh,
+or the largest ones split over a group of devices.
 
 Under plain SPMD each matrix is orthogonalized in its parameter's layout, and every device
 that does not shard it repeats the work (the products ``X X^T`` and ``A A`` are replicated
@@ -25,6 +26,10 @@ total traffic within issue 6's shape-by-shape grouping's. Moonlight's distribute
 matrix on every data-parallel rank and repeats the iteration there. Leaves whose sharding
 is unknown (a bare ``Mesh``) or not a block layout are gathered first and come back
 replicated.
+
+With ``ns_kwargs`` the plan is ``_ns_hybrid``'s: matrices too large for whole placement to
+balance may be split over device groups (``_run_split``, ``_split_ns``) in the same
+``shard_map``, after the whole ones.
 """
 
 from __future__ import annotations

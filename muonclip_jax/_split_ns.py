@@ -136,7 +136,7 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
       X = a * X + jnp.matmul(B, X)
     return X.astype(x.dtype)
   R = A.astype(wdtype)
-  eye = jnp.eye(m, dtype=wdtype)
+  eye = jnp.broadcast_to(jnp.eye(m, dtype=wdtype), R.shape)
   Q_rows = None
   for k in range(K):
     a, b, c = (float(v) for v in table[min(k, last)])
