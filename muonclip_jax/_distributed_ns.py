@@ -266,14 +266,16 @@ def orthogonalize_sharded(xs: Sequence[jax.Array], axes: Sequence[tuple], ns: Ca
   return list(fn(*xs))
 
 
-def split_cost_of(ns_kwargs: dict | None, itemsize: int = 4) -> hybrid.SplitCost | None:
+def split_cost_of(ns_kwargs: dict | None) -> hybrid.SplitCost | None:
   """``_ns_hybrid``'s split cost of ``newton_schulz(**ns_kwargs)`` (None: never split)."""
   if ns_kwargs is None:
     return None
+  cd = ns_kwargs.get("compute_dtype")
 
-  def cost(m: int, n: int, g: int):
+  def cost(m: int, n: int, g: int, itemsize: int):
     it = _split_ns.resolve(ns_kwargs, m, n)
-    return None if it is None else _split_ns.cost(it, m, n, g, itemsize)
+    size = jnp.dtype(cd).itemsize if cd is not None else itemsize
+    return None if it is None else _split_ns.cost(it, m, n, g, size)
 
   return cost
 
@@ -281,9 +283,7 @@ def split_cost_of(ns_kwargs: dict | None, itemsize: int = 4) -> hybrid.SplitCost
 def plan_of(leaves: list[planner.Leaf], mesh: Mesh, flops: Callable | None, ns_kwargs: dict | None,
             split: str = "auto") -> hybrid.HybridPlan:
   """The plan ``orthogonalize_sharded`` executes."""
-  cd = None if ns_kwargs is None else ns_kwargs.get("compute_dtype")
-  itemsize = jnp.dtype(cd).itemsize if cd is not None else (leaves[0].itemsize if leaves else 4)
-  return hybrid.plan(leaves, dict(mesh.shape), flops or default_flops, split_cost=split_cost_of(ns_kwargs, itemsize),
+  return hybrid.plan(leaves, dict(mesh.shape), flops or default_flops, split_cost=split_cost_of(ns_kwargs),
                      split=split)
 
 

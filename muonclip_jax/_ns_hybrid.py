@@ -39,7 +39,7 @@ from . import _ns_planner as planner
 
 SPLIT_CHOICES = ("auto", "always", "never")
 THRESHOLDS = (2.0, 1.0, 0.5, 0.25, 0.1)  # split groups whose matrices exceed t * ideal
-# (m, n, g) -> (FLOPs per device, [(collective, result bytes, group size)]), or None
+# (m, n, g, leaf itemsize) -> (FLOPs per device, [(collective, result bytes, group size)]), or None
 SplitCost = Callable[[int, int, int], tuple | None]
 
 
@@ -133,7 +133,7 @@ def _split(key: tuple, m: int, n: int, mats: list, mesh: Mapping[str, int], item
     g = n_row * n_col * g_r
     if g == 1 or m % g or n % g:
       continue
-    got = cost(m, n, g)
+    got = cost(m, n, g, itemsize)
     if got is None:
       return None
     f, colls = got

@@ -4,20 +4,19 @@ Each device of the group holds a column slab ``X_j`` (``m x n/g``) of a wide ``m
 matrix (``m <= n``), and ends with the same slab of the result. Both iterations of
 ``newton_schulz`` are supported, on a stack ``(q, m, n/g)``:
 
-* ``"standard"``: ``A = sum_j X_j X_j^T`` (one all-reduce of ``m x m`` a step), then
-  ``X_j <- a X_j + b (A X_j) + c (A (A X_j))``: the ``m x m`` product ``A^2`` is never
-  formed, so every product is split (``6 m^2 n / g`` FLOPs a step, the Gram matrix at 3/4
-  from ``SYMMETRIC_MIN`` up).
+* ``"standard"``: ``A = sum_j X_j X_j^T`` (one all-reduce of ``m x m`` a step, float32),
+  ``B = b A + c A^2`` with ``A^2`` from half its row blocks (``_sym_full``), then
+  ``X_j <- a X_j + B X_j`` locally.
 * ``"gram"``: ``G = sum_j X_j X_j^T`` (one all-reduce), then the ``m x m`` iteration split
-  by rows: device ``p`` holds rows ``p m/g ..`` of ``R``, ``H`` and ``Q``. Every iterate is a
-  polynomial in ``G``, so they commute: ``Q_{k+1} = Q_k H_k`` and ``R_{k+1} = R_k H_k H_k``
-  need only the full ``H_k`` and ``R_k``, all-gathered (``R_k^2`` rows from the full
-  ``R_k``). ``8 m^3 / g`` FLOPs a step (``2`` for ``R^2``, ``2`` for ``Q H`` but at the first,
-  ``4`` for ``R H H`` but at the last); ``Q`` is all-gathered once for the final ``Q X_j``.
+  by rows: device ``p`` holds rows ``p m/g ..`` of ``Q``. Every iterate is a polynomial in
+  ``G``, so they commute: ``Q_{k+1} = Q_k H_k`` and ``R_{k+1} = R_k H_k H_k``. Each device
+  keeps the whole ``R_k`` and ``H_k``: the symmetric ``R_k^2`` and ``R_k H_k H_k`` come from
+  about half of their row blocks (``_sym_full``: computed, all-gathered, mirrored). About
+  ``6 m^3 / g`` FLOPs a step; ``Q`` is all-gathered once for the final ``Q X_j``.
 
 The Frobenius norm is ``sqrt(trace(X X^T))`` of the first Gram matrix (no extra
 collective); the Schatten-4 norm follows from it as in ``newton_schulz``. Restarts and a
-traced step count are not supported: such matrices stay whole (``splittable``).
+traced step count are not supported: such matrices stay whole (``resolve`` returns None).
 Megatron's ``--muon-tp-mode distributed`` likewise all-reduces ``X X^T`` over
 tensor-parallel ranks.
 """
@@ -59,7 +58,9 @@ def cost(it: dict, m: int, n: int, g: int, itemsize: int) -> tuple[float, list[t
   """(FLOPs per device, [(collective, result bytes, group size)]) of one matrix split over ``g``.
 
   The collectives are those of ``iterate`` on one matrix; a stack of ``q`` has ``q`` times
-  the bytes in the same collectives. The FLOPs count the matmuls and, unlike ``ns_flops``,
+  the bytes in the same collectives. They carry float32 whatever the compute dtype (the
+  ``m x m`` matrices are formed and reduced in float32; XLA:CPU would widen a bf16
+  reduction anyway), so ``itemsize`` is unused here. The FLOPs count the matmuls and, unlike ``ns_flops``,
   the ``m x m`` elementwise work every device of the group repeats (``4 m^2`` a step: the
   polynomial ``a I + b R + c R^2``), which matters once ``g`` approaches ``m``.
   """
@@ -70,9 +71,7 @@ def cost(it: dict, m: int, n: int, g: int, itemsize: int) -> tuple[float, list[t
   half_bytes = g * h * r * r
   if not it["gram"]:
     flops = K * (sym * 2 * m * m * w + half + 2 * m * m * w + 4 * m * m)
-    colls = [("all-reduce", m * m * 4, g), ("all-gather", half_bytes * itemsize, g)]
-    colls += [("all-reduce", m * m * itemsize, g), ("all-gather", half_bytes * itemsize, g)] * (K - 1)
-    return flops, colls
+    return flops, [("all-reduce", m * m * 4, g), ("all-gather", half_bytes * 4, g)] * K
   f = sym * 2 * m * m * w + 2 * m * m * w
   f += K * (half + 4 * m * m) + (K - 1) * 2 * r * m * m + (K - 1) * (2 * r * m * m + half)
   wb = 4  # the m x m iteration runs in float32 (or wider)
@@ -131,8 +130,9 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
   if not it["gram"]:
     for k in range(K):
       a, b, c = (float(v) for v in table[min(k, last)])
-      Ad = A.astype(dtype) if not k else gram_f(X)
-      B = b * Ad + c * _sym_full(_rows(Ad, p, r), Ad, p, g, axes)
+      if k:
+        A = gram_f(X, jnp.float32)
+      B = (b * A + c * _sym_full(_rows(A, p, r), A, p, g, axes)).astype(dtype)
       X = a * X + jnp.matmul(B, X)
     return X.astype(x.dtype)
   R = A.astype(wdtype)
