@@ -36,10 +36,18 @@ Issue 14 parts (``--part``), with the library's default iteration (polar_express
 * ``planner``: ``_ns_planner.figures`` (pure Python) for a DeepSeek-V3-like and a dense
   70B-like model on 8 to 1024 devices.
 
+Issue 23 (``--part hybrid``, pure Python): whole-matrix against hybrid plans (the largest
+matrices split over device groups, ``_ns_hybrid``) for dense 70B- and 405B-like and a
+DeepSeek-V3-like model on 8 to 4096 devices: FLOPs of the most loaded device over the
+ideal, bytes received, collectives, estimated optimizer-step time on the ``_ns_cost``
+device models (H100 with NVLink, TPU v5p with ICI) against a forward/backward estimate
+(``6 x active hidden-matrix parameters x tokens`` FLOPs at the same peak rate).
+
   python benchmarks/bench_sharding.py [--layers 4] [--dim 768]
   python benchmarks/bench_sharding.py --part mla [--devices 64]
   python benchmarks/bench_sharding.py --part moe
   python benchmarks/bench_sharding.py --part planner
+  python benchmarks/bench_sharding.py --part hybrid [--models "dense 70B-like"]
 """
 
 from __future__ import annotations
@@ -49,7 +57,6 @@ import contextlib
 import inspect
 import functools
 import os
-import re
 import subprocess
 import sys
 import types
@@ -66,6 +73,7 @@ import muonclip_jax as mc
 from muonclip_jax import _distributed_ns, _newton_schulz, _ns_planner, sharding
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hlo_collectives  # noqa: E402
 import model_shapes  # noqa: E402
 
 KELLER = dict(ns_coeffs="muon", ns_steps=5, ns_method="standard")
@@ -75,9 +83,7 @@ MESHES = {
     "data 1 x model 8": ((1, 8), ("data", "model")),
     "fsdp 2 x model 4": ((2, 4), ("fsdp", "model")),
 }
-_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8, "s8": 1, "u8": 1,
-          "pred": 1}
-COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "reduce-scatter", "collective-permute")
+COLLECTIVES = hlo_collectives.COLLECTIVES
 
 
 def gpt2_hidden_matrices(layers: int, d: int) -> tuple[dict, dict]:
@@ -100,34 +106,9 @@ def unrolled_loops():
     jax.lax.fori_loop = original
 
 
-def _group_size(line: str, devices: int) -> int:
-  m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
-  if m:
-    return len(m.group(1).split(","))
-  m = re.search(r"replica_groups=\[([\d,]+)\]<=", line)
-  if m:
-    return int(m.group(1).split(",")[-1])
-  return devices
-
-
 def communication(hlo: str, devices: int) -> tuple[float, dict[str, int]]:
   """(estimated bytes received per device, {collective: count}) of a compiled HLO text."""
-  total, counts = 0.0, {}
-  for line in hlo.splitlines():
-    for op in COLLECTIVES:
-      m = re.search(rf"= (.*?) {op}(-start)?\(", line)
-      if not m:
-        continue
-      shapes = re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
-      if m.group(2):  # async start: (operands..., result); count the result
-        shapes = shapes[-1:]
-      size = sum(_BYTES.get(t, 4) * int(np.prod([int(x) for x in dims.split(",") if x] or [1])) for t, dims in shapes)
-      g = _group_size(line, devices)
-      factor = {"all-gather": (g - 1) / g, "all-to-all": (g - 1) / g, "all-reduce": 2 * (g - 1) / g,
-                "reduce-scatter": g - 1, "collective-permute": 1.0}[op]
-      total += size * factor
-      counts[op] = counts.get(op, 0) + 1
-  return total, counts
+  return hlo_collectives.communication(hlo, devices)
 
 
 def analytic(params: dict, **ns) -> float | None:
@@ -255,6 +236,52 @@ def moe_part(baseline) -> None:
 
 PLANNER_MESHES = {8: ((8,), ("model",)), 64: ((8, 8), ("fsdp", "model")), 256: ((32, 8), ("fsdp", "model")),
                   1024: ((8, 16, 8), ("data", "fsdp", "model"))}
+HYBRID_MESHES = {**PLANNER_MESHES, 4096: ((32, 16, 8), ("data", "fsdp", "model"))}
+# Tokens per optimizer step for the forward/backward estimate: 4M (2^22) for the dense
+# models (Llama 3 405B's initial batch, arXiv 2407.21783); DeepSeek-V3's final batch, 15360
+# sequences of 4096 tokens (arXiv 2412.19437).
+HYBRID_MODELS = {"dense 70B-like": (model_shapes.dense_70b, 2**22), "dense 405B-like": (model_shapes.dense_405b, 2**22),
+                 "DeepSeek-V3-like": (model_shapes.deepseek_v3, 15360 * 4096)}
+
+
+def hybrid_part(models: list[str]) -> None:
+  """Whole-matrix vs hybrid plans, their traffic, and step-time estimates on two device models."""
+  from muonclip_jax import _ns_cost, _ns_hybrid
+  flops = _distributed_ns.ns_flops_of(DEFAULT_NS)
+  cost = _distributed_ns.split_cost_of(dict(DEFAULT_NS))
+  h100, v5p = _ns_cost.H100_NVLINK, _ns_cost.TPU_V5P
+  print("| model | devices (mesh) | whole | hybrid | split (m x n over g, q each) | comm GB whole / hybrid "
+        "| collectives/dev, largest MB (hybrid) | H100 ms whole / hybrid / auto | v5p ms whole / hybrid / auto "
+        "| bound on H100 (auto) | fwd+bwd ms H100 | Muon share H100 (auto) |\n"
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---|---:|---:|")
+  for model in models:
+    make, tokens = HYBRID_MODELS[model]
+    layers = make()
+    active = model_shapes.active_params(layers)
+    for devices, (shape, axes) in HYBRID_MESHES.items():
+      mesh = AbstractMesh(shape, axes)
+      leaves = planner_leaves(layers, mesh)
+      total = sum(flops(*lf.mn) * lf.count for lf in leaves)
+      ideal = total / devices
+      plans = {"whole": _ns_hybrid.plan(leaves, dict(mesh.shape), flops),
+               "hybrid": _ns_hybrid.plan(leaves, dict(mesh.shape), flops, split_cost=cost, split="always"),
+               "h100": _ns_hybrid.plan(leaves, dict(mesh.shape), flops, split_cost=cost, device=h100),
+               "v5p": _ns_hybrid.plan(leaves, dict(mesh.shape), flops, split_cost=cost, device=v5p)}
+      hy = plans["hybrid"]
+      largest = max([b for s in hy.splits for _, b, _ in s.collectives] +
+                    [c.width * c.itemsize * c.s * c.n_rep for c in hy.whole.classes] + [0])
+      ms = lambda p, d: 1e3 * p.step_s(d)
+      auto = plans["h100"]
+      bound = "comm" if h100.comm_s(auto.comm) > h100.compute_s(auto.max_flops) else "compute"
+      fwd = 6 * active * tokens / devices
+      share = ms(auto, h100) / (ms(auto, h100) + 1e3 * h100.compute_s(fwd))
+      splits = ", ".join(f"{s.m}x{s.n}/{s.g} q{s.q}" for s in hy.splits) or "none"
+      print(f"| {model} | {devices} ({' x '.join(f'{a} {s}' for a, s in zip(axes, shape))}) "
+            f"| {plans['whole'].max_flops / ideal:.3f} | {hy.max_flops / ideal:.3f} | {splits} "
+            f"| {plans['whole'].comm / 1e9:.2f} / {hy.comm / 1e9:.2f} | {hy.collectives}, {largest / 1e6:.0f} "
+            f"| {ms(plans['whole'], h100):.1f} / {ms(hy, h100):.1f} / {ms(auto, h100):.1f} "
+            f"| {ms(plans['whole'], v5p):.1f} / {ms(hy, v5p):.1f} / {ms(plans['v5p'], v5p):.1f} "
+            f"| {bound} | {1e3 * h100.compute_s(fwd):.0f} | {100 * share:.1f}% |", flush=True)
 
 
 def planner_part() -> None:
@@ -275,7 +302,8 @@ def planner_part() -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--part", choices=("gpt2", "mla", "moe", "planner"), default="gpt2")
+  parser.add_argument("--part", choices=("gpt2", "mla", "moe", "planner", "hybrid"), default="gpt2")
+  parser.add_argument("--models", default=",".join(HYBRID_MODELS), help="hybrid: comma-separated model names")
   parser.add_argument("--devices", type=int, default=8, help="fake CPU devices (mla: 64 for the 8x8 mesh)")
   parser.add_argument("--baseline", default=BASELINE, help="git revision of issue 6's sharding.py")
   parser.add_argument("--layers", type=int, default=4)
@@ -285,6 +313,8 @@ def main() -> None:
   print(f"jax {jax.__version__}, {args.devices} CPU devices, part {args.part}")
   if args.part == "planner":
     return planner_part()
+  if args.part == "hybrid":
+    return hybrid_part(args.models.split(","))
   if args.part == "mla":
     return mla_part(args.devices, issue6_module(args.baseline))
   if args.part == "moe":

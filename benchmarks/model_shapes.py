@@ -72,3 +72,21 @@ def deepseek_v3(layers: int = 61, dense: int = 3) -> list[tuple[dict, int]]:
 def dense_70b(layers: int = 80) -> list[tuple[dict, int]]:
   """A Llama-2/3-70B-like dense GQA model: width 8192, 64 heads, 8 KV heads of 128, MLP 28672."""
   return [({**gqa_attention(8192, 64, 8, 128), **mlp(8192, 28672)}, layers)]
+
+
+def dense_405b(layers: int = 126) -> list[tuple[dict, int]]:
+  """A Llama-3-405B-like dense GQA model (arXiv 2407.21783): width 16384, 128 heads, 8 KV
+  heads of 128, MLP 53248."""
+  return [({**gqa_attention(16384, 128, 8, 128), **mlp(16384, 53248)}, layers)]
+
+
+def active_params(layers: list[tuple[dict, int]], experts_active: int = 8) -> int:
+  """Hidden-matrix parameters one token passes through (``experts_active`` of each stack)."""
+  total = 0
+  for layer, count in layers:
+    for shape, names in layer.values():
+      size = 1
+      for d in shape[1:] if names[0] == "expert" else shape:
+        size *= d
+      total += count * size * (experts_active if names[0] == "expert" else 1)
+  return total

@@ -67,7 +67,7 @@ def muon(
     weight_decay_mask: optional mask or callable, as in ``optax.add_decayed_weights``.
     **muon_options: the options of ``scale_by_muon`` (``beta``, ``nesterov``, the ``ns_*``
       Newton–Schulz options, ``eps``, ``compute_dtype``, ``mu_dtype``, ``rms_match``,
-      ``rms_scale``, ``matrix_axes``, ``shard_orthogonalization``), with its defaults.
+      ``rms_scale``, ``matrix_axes``, ``shard_orthogonalization``, ``shard_split``), with its defaults.
   """
   check_number("learning_rate", learning_rate, schedule=True)
   check_number("weight_decay", weight_decay, low=0.0, schedule=True)

@@ -1,4 +1,5 @@
-"""Distributed Newton–Schulz: each matrix orthogonalized whole on one device of a mesh.
+"""Distributed Newton–Schulz: each matrix orthogonalized whole on one device of a mesh,
+or the largest ones split over a group of devices.
 
 Under plain SPMD each matrix is orthogonalized in its parameter's layout, and every device
 that does not shard it repeats the work (the products ``X X^T`` and ``A A`` are replicated
@@ -25,6 +26,10 @@ total traffic within issue 6's shape-by-shape grouping's. Moonlight's distribute
 matrix on every data-parallel rank and repeats the iteration there. Leaves whose sharding
 is unknown (a bare ``Mesh``) or not a block layout are gathered first and come back
 replicated.
+
+With ``ns_kwargs`` the plan is ``_ns_hybrid``'s: matrices too large for whole placement to
+balance may be split over device groups (``_run_split``, ``_split_ns``) in the same
+``shard_map``, after the whole ones.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import _newton_schulz
+from . import _ns_hybrid as hybrid
 from . import _ns_planner as planner
+from . import _split_ns
 from ._paths import path_str
 
 
@@ -107,8 +114,31 @@ def _pack(pieces: list[jax.Array], width: int, dtype: Any, lead: int) -> jax.Arr
   return jnp.concatenate(pieces, axis=1) if len(pieces) > 1 else pieces[0]
 
 
-def _executor(leaves: list[planner.Leaf], plan: planner.Plan, mesh: Mesh, ns: Callable) -> Callable:
+def _run_split(sp: hybrid.Split, wides: list, it: dict, mesh: Mesh) -> dict:
+  """``{(leaf, k): local result block}`` of a split group (``_ns_hybrid``'s steps 1-4)."""
+  blocks = [wides[i][k] for i, k in sp.matrices]
+  blk = jnp.stack(blocks + [jnp.zeros_like(blocks[0])])  # the last one: padding
+  o = jax.lax.axis_index(sp.outer) if sp.outer else 0
+  x = jnp.take(blk, jnp.asarray(sp.table, jnp.int32)[o], axis=0)  # (q, bm, bn)
+  if sp.n_row > 1:
+    x = jax.lax.all_to_all(x, sp.rows, 2, 1, tiled=True)  # (q, m, bn / n_row)
+  w = sp.n // sp.g
+  if sp.g_r > 1:
+    x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(sp.group_rep) * w, w, axis=2)
+  group = tuple(a for a in mesh.axis_names if a in sp.rows + sp.cols + sp.group_rep)
+  y = _split_ns.iterate(x, it, group, sp.g)
+  if sp.g_r > 1:
+    y = jax.lax.all_gather(y, sp.group_rep, axis=2, tiled=True)
+  if sp.n_row > 1:
+    y = jax.lax.all_to_all(y, sp.rows, 1, 2, tiled=True)  # (q, bm, bn)
+  every = jax.lax.all_gather(y, sp.outer, axis=0) if sp.n_out > 1 else y[None]
+  return {ik: every[t // sp.q, t % sp.q] for t, ik in enumerate(sp.matrices)}
+
+
+def _executor(leaves: list[planner.Leaf], hplan: hybrid.HybridPlan, mesh: Mesh, ns: Callable,
+              split_iter: Callable | None = None) -> Callable:
   """The ``shard_map`` body: local leaf blocks -> local result blocks."""
+  plan = hplan.whole
   shape = dict(mesh.shape)
   where = []  # per class: {(r, j): [matrix positions on that device, by offset]}
   by_device = []  # per class: {device: [matrix positions]}
@@ -168,7 +198,7 @@ def _executor(leaves: list[planner.Leaf], plan: planner.Plan, mesh: Mesh, ns: Ca
         buf = send(ci, 0, blocks)
       recvs.append(jax.lax.all_to_all(buf, cls.sharded, 0, 0) if cls.s > 1 else buf)
     branches = [lambda rs, d=d: compute(d, rs) for d in range(plan.devices)]
-    outs = jax.lax.switch(jax.lax.axis_index(plan.axes), branches, tuple(recvs))
+    outs = jax.lax.switch(jax.lax.axis_index(plan.axes), branches, tuple(recvs)) if plan.classes else ()
     out = list(local)  # (a leaf of zero matrices stays as it is)
     for cls, y in zip(plan.classes, outs):
       back = jax.lax.all_to_all(y, cls.sharded, 0, 0) if cls.s > 1 else y
@@ -181,6 +211,11 @@ def _executor(leaves: list[planner.Leaf], plan: planner.Plan, mesh: Mesh, ns: Ca
       for i in cls.leaves:
         w = jnp.stack([got[i][k] for k in range(leaves[i].count)])
         out[i] = _from_wide(leaves[i], w, local[i].shape)
+    for sp in hplan.splits:
+      got = _run_split(sp, wides, split_iter(sp.m, sp.n), mesh)
+      for i in sorted({i for i, _ in sp.matrices}):
+        w = jnp.stack([got[(i, k)] for k in range(leaves[i].count)])
+        out[i] = _from_wide(leaves[i], w.astype(local[i].dtype), local[i].shape)
     return tuple(out)
 
   return body
@@ -193,7 +228,8 @@ def default_flops(m: int, n: int) -> float:
 
 def orthogonalize_sharded(xs: Sequence[jax.Array], axes: Sequence[tuple], ns: Callable[[jax.Array], jax.Array],
                           *, mesh: Mesh, shardings: Sequence[NamedSharding | None] | None = None,
-                          flops: Callable[[int, int], float] | None = None) -> list:
+                          flops: Callable[[int, int], float] | None = None, ns_kwargs: dict | None = None,
+                          split: str = "auto") -> list:
   """``ns`` of every matrix of every leaf, each matrix orthogonalized on one device only.
 
   Args:
@@ -207,6 +243,11 @@ def orthogonalize_sharded(xs: Sequence[jax.Array], axes: Sequence[tuple], ns: Ca
       is all-gathered first and comes back replicated (XLA then slices it as needed).
     flops: the FLOPs of ``ns`` on one ``m x n`` matrix, the placement's weights
       (``default_flops`` if None).
+    ns_kwargs: when ``ns`` is ``newton_schulz(**ns_kwargs)``, those arguments: then a
+      matrix too large for whole-matrix placement may be split over a device group
+      (``_ns_hybrid``, ``_split_ns``). None: every matrix whole.
+    split: ``"auto"`` (split where the ``_ns_cost`` H100 model says it pays), ``"always"``
+      (wherever it lowers the most loaded device's FLOPs) or ``"never"``.
 
   Returns:
     The orthogonalized leaves, same shapes and dtypes (``ns``'s output dtype).
@@ -217,10 +258,33 @@ def orthogonalize_sharded(xs: Sequence[jax.Array], axes: Sequence[tuple], ns: Ca
   leaves = describe(xs, axes, mesh, shardings)
   if mesh.size == 1:
     return [_from_wide(lf, ns(_to_wide(lf, x)), x.shape) for x, lf in zip(xs, leaves)]
-  plan = planner.plan(leaves, dict(mesh.shape), flops or default_flops)
+  hplan = plan_of(leaves, mesh, flops, ns_kwargs, split)
+  split_iter = None if ns_kwargs is None else (lambda m, n: _split_ns.resolve(ns_kwargs, m, n))
   specs = tuple(P(*lf.spec) for lf in leaves)
-  fn = jax.shard_map(_executor(leaves, plan, mesh, ns), mesh=mesh, in_specs=specs, out_specs=specs, check_vma=False)
+  fn = jax.shard_map(_executor(leaves, hplan, mesh, ns, split_iter), mesh=mesh, in_specs=specs, out_specs=specs,
+                     check_vma=False)
   return list(fn(*xs))
+
+
+def split_cost_of(ns_kwargs: dict | None) -> hybrid.SplitCost | None:
+  """``_ns_hybrid``'s split cost of ``newton_schulz(**ns_kwargs)`` (None: never split)."""
+  if ns_kwargs is None:
+    return None
+  cd = ns_kwargs.get("compute_dtype")
+
+  def cost(m: int, n: int, g: int, itemsize: int):
+    it = _split_ns.resolve(ns_kwargs, m, n)
+    size = jnp.dtype(cd).itemsize if cd is not None else itemsize
+    return None if it is None else _split_ns.cost(it, m, n, g, size)
+
+  return cost
+
+
+def plan_of(leaves: list[planner.Leaf], mesh: Mesh, flops: Callable | None, ns_kwargs: dict | None,
+            split: str = "auto") -> hybrid.HybridPlan:
+  """The plan ``orthogonalize_sharded`` executes."""
+  return hybrid.plan(leaves, dict(mesh.shape), flops or default_flops, split_cost=split_cost_of(ns_kwargs),
+                     split=split)
 
 
 def ns_flops_of(ns_kwargs: dict) -> Callable[[int, int], float]:
@@ -234,7 +298,7 @@ def ns_flops_of(ns_kwargs: dict) -> Callable[[int, int], float]:
 
 
 def orthogonalize_leaves_sharded(gs: list, ms: list, axes: list, direction: Callable, finish: Callable, *,
-                                 paths: Sequence[str], target: Any, ns_kwargs: dict) -> list:
+                                 paths: Sequence[str], target: Any, ns_kwargs: dict, split: str = "auto") -> list:
   """``finish(i, ns(direction(g_i, m_i)))`` for every leaf, distributed over ``target``'s mesh.
 
   ``target`` is a ``Mesh`` or a pytree of ``NamedSharding`` matched to the leaves by
@@ -248,5 +312,5 @@ def orthogonalize_leaves_sharded(gs: list, ms: list, axes: list, direction: Call
     shardings = [table.get(p) for p in paths]
   ds = [direction(g, m) for g, m in zip(gs, ms)]
   out = orthogonalize_sharded(ds, axes, lambda x: _newton_schulz.newton_schulz(x, **ns_kwargs), mesh=mesh,
-                              shardings=shardings, flops=ns_flops_of(ns_kwargs))
+                              shardings=shardings, flops=ns_flops_of(ns_kwargs), ns_kwargs=ns_kwargs, split=split)
   return [finish(i, o) for i, o in enumerate(out)]

@@ -102,12 +102,15 @@ def _after(tree: Any, done: list) -> Any:
 
 
 def orthogonalize_leaves(gs: list, ms: list, specs: list, direction: Any, finish: Any, *,
-                         batch: int | None, target: Any = None, paths: Any = (), **ns_kwargs: Any) -> list:
+                         batch: int | None, target: Any = None, paths: Any = (), split: str = "auto",
+                         **ns_kwargs: Any) -> list:
   """``finish(i, NewtonSchulz(direction(g_i, m_i)))`` for every leaf pair ``(g_i, m_i)``.
 
   ``specs[i]`` is leaf ``i``'s ``(batch, fan_in, fan_out)`` axes. With ``target`` (a
   ``Mesh`` or the leaves' ``NamedSharding``s matched by ``paths``) each matrix is
-  orthogonalized on one device of the mesh (``_distributed_ns``; ``batch`` is not used).
+  orthogonalized on one device of the mesh, or split over a group of them (``split``:
+  ``"auto"``, ``"always"``, ``"never"``; ``_distributed_ns``, ``_ns_hybrid``; ``batch`` is
+  not used).
   Otherwise matrices of the same
   ``min x max`` size and dtype (tall ones transposed) are grouped, in leaf order, into
   calls of at most ``batch`` matrices (``None``: no limit; a stacked leaf with more goes
@@ -117,7 +120,7 @@ def orthogonalize_leaves(gs: list, ms: list, specs: list, direction: Any, finish
   """
   if target is not None:
     return orthogonalize_leaves_sharded(gs, ms, specs, direction, finish, paths=paths, target=target,
-                                        ns_kwargs=ns_kwargs)
+                                        ns_kwargs=ns_kwargs, split=split)
   keys, counts = [], []
   for g, (b, fi, fo) in zip(gs, specs):
     r = math.prod(g.shape[a] for a in fi)
@@ -183,6 +186,7 @@ def scale_by_muon(
     rms_scale: float = 0.2,
     matrix_axes: MatrixAxesSpec = None,
     shard_orthogonalization: Any = None,
+    shard_split: str = "auto",
 ) -> optax.GradientTransformation:
   """Muon's direction: orthogonalized (Nesterov) momentum with update-RMS matching.
 
@@ -239,11 +243,21 @@ def scale_by_muon(
       result returned in its parameter's sharding, matrices placed by FLOPs over the
       devices (``sharding.orthogonalize_sharded``; ``ns_batch`` is not used). A
       ``jax.sharding.Mesh``: the same, but each matrix is all-gathered first. Use under ``jax.jit`` with the params on that mesh.
+      A matrix too large for whole-matrix placement to balance may instead be split over
+      a group of devices (its Gram matrix all-reduced, the ``m x m`` iteration split by
+      rows; see ``shard_split``).
+    shard_split: static, with ``shard_orthogonalization`` only. ``"auto"`` (default): the
+      planner splits a matrix where its model of an H100 with NVLink (``_ns_cost``)
+      estimates a shorter step, else keeps it whole; ``"always"``: split wherever that
+      lowers the most loaded device's FLOPs, whatever the traffic; ``"never"``: every
+      matrix whole. Not with a traced ``ns_steps`` or with ``ns_restarts`` (then whole).
 
   Returns:
     An ``optax.GradientTransformation`` whose state holds only the momentum.
   """
   check_target(shard_orthogonalization)
+  if shard_split not in ("auto", "always", "never"):
+    raise ValueError(f"shard_split must be 'auto', 'always' or 'never', got {shard_split!r}")
   _newton_schulz.resolve_coeffs(ns_coeffs, ns_steps)  # validates both
   _newton_schulz.resolve_options(ns_coeffs, ns_steps, ns_method, ns_normalize, ns_restarts)
   if isinstance(ns_batch, jax.Array):
@@ -287,7 +301,7 @@ def scale_by_muon(
       return (o * rms_factor(rms_match, rms_scale, specs[i][3], specs[i][4])).astype(flat[i][1].dtype)
 
     new = orthogonalize_leaves([g for _, g in flat], flat_mu, [s[:3] for s in specs], direction, finish,
-                               batch=batch, target=shard_orthogonalization,
+                               batch=batch, target=shard_orthogonalization, split=shard_split,
                                paths=[path_str(p) for p, _ in flat], **ns_kwargs)
     return jax.tree_util.tree_unflatten(treedef, new), ScaleByMuonState(mu=mu)
 

@@ -183,11 +183,11 @@ def _ravel(coords: Mapping[str, int], axes: Sequence[str], mesh: Mapping[str, in
   return out
 
 
-def _matrices(leaves: Sequence[Leaf], flops: Flops):
+def _matrices(leaves: Sequence[Leaf], flops: Flops, skip: frozenset = frozenset()):
   """Per class key: ``[(flops, (leaf, index in its stack), (m, n))]``, leaves in order."""
   out: dict[tuple, list] = {}
   for i, lf in enumerate(leaves):
-    if not lf.count:  # an empty stack: nothing to place
+    if not lf.count or (lf.key, *lf.mn) in skip:  # an empty stack, or split: nothing to place
       continue
     m, n = lf.mn
     f = float(flops(m, n))
@@ -199,11 +199,11 @@ def _size(axes: Sequence[str], mesh: Mapping[str, int]) -> int:
   return math.prod(mesh[a] for a in axes)
 
 
-def grouped_counts(leaves: Sequence[Leaf]) -> dict[tuple, int]:
+def grouped_counts(leaves: Sequence[Leaf], skip: frozenset = frozenset()) -> dict[tuple, int]:
   """Issue 6's groups: ``{(class key, m, n): number of matrices}``."""
   out: dict[tuple, int] = {}
   for lf in leaves:
-    if not lf.count:
+    if not lf.count or (lf.key, *lf.mn) in skip:
       continue
     key = (lf.key, *lf.mn)
     out[key] = out.get(key, 0) + lf.count
@@ -261,7 +261,8 @@ def _grouped(mats: dict, devices: int) -> dict:
   return where
 
 
-def plan(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops, *, placement: str = "best") -> Plan:
+def plan(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops, *, placement: str = "best",
+         skip: frozenset = frozenset()) -> Plan:
   """The plan for ``leaves`` on a mesh of axis sizes ``mesh`` (ordered as the mesh's axes).
 
   Args:
@@ -273,16 +274,17 @@ def plan(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops, *, place
       keeping only those whose total traffic does not exceed issue 6's; ``"lpt"``: LPT
       without any cap (the whole-matrix bound); ``"grouped"``: issue 6's shape-by-shape
       placement, without its zero-matrix padding.
+    skip: ``(class key, m, n)`` groups left out (split over device groups, ``_ns_hybrid``).
   """
   axes = tuple(a for a in mesh if mesh[a] > 1)
   sizes = tuple(mesh[a] for a in axes)
   devices = math.prod(sizes)
-  mats = _matrices(leaves, flops)
+  mats = _matrices(leaves, flops, skip)
   rep_of = {key: tuple(a for a in axes if a not in key[0] + key[1]) for key in mats}
   s_of = {key: _size(key[0] + key[1], mesh) for key in mats}
   blocks = {key: {shape: shape[0] * shape[1] // s_of[key] for _, _, shape in ms} for key, ms in mats.items()}
   caps: dict[tuple, int] = {key: 0 for key in mats}
-  for (key, m, n), c in grouped_counts(leaves).items():
+  for (key, m, n), c in grouped_counts(leaves, skip).items():
     caps[key] += -(-c // devices) * blocks[key][(m, n)]
 
   def loads(where):

@@ -11,8 +11,9 @@ module gives
   parameters each leaf belongs to (never replicated), ``jit_train_step`` jits a train step
   with them;
 * ``orthogonalize_sharded``: Newton–Schulz with each matrix orthogonalized whole on one
-  device, balanced by FLOPs over all matrices (``muonclip_jax._distributed_ns``, planned by
-  ``muonclip_jax._ns_planner``), used by ``scale_by_muon(shard_orthogonalization=...)``
+  device, balanced by FLOPs over all matrices, or the largest split over a device group
+  (``muonclip_jax._distributed_ns``, planned by ``muonclip_jax._ns_planner`` and
+  ``muonclip_jax._ns_hybrid``), used by ``scale_by_muon(shard_orthogonalization=...)``
   (and ``muon``, ``muon_adamw``, ``muonclip``). See ``docs/sharding.md``.
 
 Multi-host: nothing here is host-specific; ``jax.distributed.initialize`` before anything

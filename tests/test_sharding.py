@@ -290,12 +290,15 @@ KELLER = dict(ns_coeffs="muon", ns_steps=5, ns_method="standard")
 
 
 @pytest.mark.parametrize("mesh_name", ["data8x1", "data2x4", "fsdp2x4"])
-def test_distributed_newton_schulz_flops_and_result(mesh_name):
+def test_distributed_newton_schulz_flops_and_result(mesh_name, monkeypatch):
   """Per-device FLOPs of the update <= 0.15 of one device's (0.125 ideal), same result.
 
-  Both programs have the same rolled Newton–Schulz loop, so XLA's cost analysis counts
-  its body once on both sides and the ratio compares like with like.
+  The Newton–Schulz loops are unrolled on both sides (XLA's cost analysis counts a rolled
+  loop's body once), so the ratio compares the orthogonalization's work and not mostly the
+  elementwise momentum work, which every device of ``data8x1`` repeats in full (its
+  parameters are replicated) and whose per-element count XLA changes between versions.
   """
+  monkeypatch.setattr(jax.lax, "fori_loop", functools.partial(jax.lax.fori_loop, unroll=True))
   mesh = _mesh(mesh_name)
   params, names = _gpt2_like(32, 4)  # 16 (32, 32) and 8 (32, 128) matrices
   grads = jax.tree.map(jnp.sin, params)
