@@ -326,3 +326,19 @@ def test_unknown_keyword_names_the_function_and_lists_its_options(factory, extra
   options = str(e.value).split("its options are: ")[1].split(", ")
   assert options == [p for p in inspect.signature(factory).parameters if p != "learning_rate"]
   assert "beta" in options and "ns_coeffs" in options and "scale_by_muon" not in str(e.value)
+
+
+def test_extreme_gradient_scales_give_the_update_of_the_gradient_scaled_down():
+  """Gradients of 1e19 to 1e30 made the Frobenius norm overflow float32 (update exactly 0);
+  the update of a scaled gradient is that of the gradient (momentum is linear, the
+  orthogonalization scale-invariant)."""
+  params = _params()
+  g = jax.tree.map(jnp.sin, params)
+  tx = mc.scale_by_muon()
+  update = jax.jit(tx.update)
+  ref, _ = update(g, tx.init(params))
+  assert all(float(jnp.max(jnp.abs(u))) > 0.1 for u in jax.tree.leaves(ref))
+  for scale in (1e19, 1e25, 1e30):
+    u, state = update(jax.tree.map(lambda x: x * scale, g), tx.init(params))
+    chex.assert_trees_all_close(u, ref, atol=1e-5, rtol=0)
+    chex.assert_tree_all_finite(state.mu)
