@@ -18,7 +18,7 @@ import optax
 
 from ._alias import forwards_options_of, muon_adamw
 from ._muon import check_number
-from ._qk_clip import _check_layout, qk_clip, qk_clip_stats
+from ._qk_clip import _check_layout, qk_clip, qk_clip_stats, threshold_or_nan
 
 _MISSING_MAX_LOGITS = (
     "{name}: max_logits is missing, but the clip threshold is {tau!r}; pass "
@@ -36,7 +36,9 @@ class QKClipState(NamedTuple):
   """
 
   count: jax.Array  # shape=(), int32: updates so far (the step a tau schedule is evaluated at)
-  threshold: jax.Array  # shape=(), float32: tau of the last update (+inf: clip off)
+  # shape=(), float32: tau of the last update (+inf: clip off; NaN: the tau was NaN, zero or
+  # negative, which only a traced tau can be, and nothing was clipped)
+  threshold: jax.Array
   num_clipped: jax.Array  # shape=(), int32: heads the last update clipped, over all layers
   min_gamma: jax.Array  # shape=(), float32: smallest factor gamma_h of the last update (1: none)
 
@@ -51,7 +53,7 @@ def _clip_is_off(threshold: Any) -> bool:
 
 
 def _state(count, threshold, num_clipped=0, min_gamma=1.0) -> QKClipState:
-  return QKClipState(count=jnp.asarray(count, jnp.int32), threshold=jnp.asarray(threshold, jnp.float32),
+  return QKClipState(count=jnp.asarray(count, jnp.int32), threshold=threshold_or_nan(threshold),
                      num_clipped=jnp.asarray(num_clipped, jnp.int32), min_gamma=jnp.asarray(min_gamma, jnp.float32))
 
 
