@@ -118,6 +118,18 @@ def muon_adamw(
   return a mask of that sub-tree's structure: ``jax.tree.map`` or
   ``jax.tree_util.tree_map_with_path`` over its argument does, e.g.
   ``lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)`` to decay no bias or norm scale.
+
+  Inherited from optax (``optax.adamw`` does the same):
+
+  * float16 parameters: ``adam_eps=1e-8`` rounds to 0 in float16, and squared gradients
+    below ~2e-4 underflow, so AdamW's half divides 0 by 0 and its updates turn NaN. Keep
+    float32 master parameters and run the model in float16
+    (``training.make_train_step(compute_dtype=jnp.float16)``), or use bfloat16, whose
+    range holds 1e-8. The Muon half is not affected.
+  * The state is not checked against the params by ``update``: a state from another model
+    (a 1-layer model's state on a 3-layer model) broadcasts into the update silently.
+    ``make_train_step`` refuses it at its first trace; in a loop of your own call
+    ``check_opt_state(state, optimizer=opt, params=params)`` after restoring a checkpoint.
   """
   muon_half = muon(learning_rate, weight_decay=weight_decay, **muon_options)  # checks Muon's options first
   adam_wd = weight_decay if adam_weight_decay is None else adam_weight_decay
