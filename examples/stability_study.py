@@ -252,7 +252,7 @@ def summarize(arm: Arm, records, cfg, secs) -> dict:
       "val": _mean_std(vals),
       "highest": max(max(r["max_logit"] for r in runs[s]) for s in seeds),
       "final_logit": _mean_std([sum(r["max_logit"] for r in runs[s][-10:]) / len(runs[s][-10:]) for s in seeds]),
-      "above_tau": sum(sum(r["num_clipped"] for r in runs[s]) for s in seeds) / (num_heads(cfg) * sum(len(runs[s]) for s in seeds)),
+      "above_tau": sum(sum(r["num_above_threshold"] for r in runs[s]) for s in seeds) / (num_heads(cfg) * sum(len(runs[s]) for s in seeds)),
       "sec": sum(secs) / len(secs),
       "seeds": len(seeds),
       "last_clip": [max((r["step"] for r in runs[s] if r["num_clipped"]), default=0) for s in seeds],
@@ -506,7 +506,7 @@ def plot_all(out, runs, records, cfgs):
   fig, ax = plt.subplots(figsize=(9, 4.5))
   for arm in [a for a in runs if a.optimizer == "muon" and a.model == "mla"]:
     rs = [records[arm.name][s] for s in sorted(records[arm.name])]
-    frac = [_smooth([r["num_clipped"] / num_heads(cfgs[arm.name]) for r in r_]) for r_ in rs]
+    frac = [_smooth([r["num_above_threshold"] / num_heads(cfgs[arm.name]) for r in r_]) for r_ in rs]
     label = f"{arm.name} (tau = {arm.tau:g})" + ("" if arm.clip else ": above tau, not clipped")
     style = "-" if arm.clip == "alg1" else ("--" if arm.clip else ":")
     ax.plot([r["step"] for r in rs[0]], np.mean(frac, 0), style, color=colors[arm.name], label=label)

@@ -269,7 +269,8 @@ def train(name, step, params, state, batches, place, eval_fn, val_batch, eval_ev
           "max_logit": float(metrics["max_logit"]),
           "max_logit_per_layer": {m: np.asarray(v).tolist() for m, v in metrics["max_logit_per_layer"].items()},
           "max_logits": {m: np.asarray(v).tolist() for m, v in metrics["max_logits"].items()},
-          "num_clipped": int(metrics["num_clipped"]),
+          "num_clipped": int(metrics["num_clipped"]),  # heads the step scaled
+          "num_above_threshold": int(metrics.get("num_above_threshold", 0)),  # forward pass above tau
       }
       if "exact_clip_passes" in metrics:
         rec["exact_clip_passes"] = int(metrics["exact_clip_passes"])
@@ -340,14 +341,14 @@ def summarize(records, num_heads_total, sec_per_step):
   val = [r["val_loss"] for r in records if "val_loss" in r]
   ever = set()
   for r in records:
-    if r["num_clipped"]:
+    if r["num_above_threshold"]:
       ever.add(r["step"])
   return {
       "final_train_loss": sum(r["loss"] for r in records[-10:]) / len(records[-10:]),
       "final_val_loss": val[-1],
       "highest_max_logit": max(r["max_logit"] for r in records),
       "steps_with_clipped_head": len(ever),
-      "clipped_head_fraction": sum(r["num_clipped"] for r in records) / (num_heads_total * len(records)),
+      "clipped_head_fraction": sum(r["num_above_threshold"] for r in records) / (num_heads_total * len(records)),
       "sec_per_step": sec_per_step,
   }
 

@@ -20,6 +20,7 @@ from ._routing import MatrixAxes as MatrixAxes
 from ._routing import attention_matrix_axes as attention_matrix_axes
 from ._routing import logical_matrix_axes as logical_matrix_axes
 from ._routing import muon_labels as muon_labels
+from ._state_checks import check_opt_state as check_opt_state
 from . import sharding as sharding
 from . import training as training
 

@@ -64,7 +64,11 @@ def multi_steps(
   inner = optax.MultiSteps(opt, every_k_schedule, **multi_steps_kwargs)
 
   def init_fn(params):
-    return MultiStepsMaxLogitsState(inner=inner.init(params), max_logits=init_max_logits(params, layout))
+    from ._state_checks import check_opt_state  # noqa: PLC0415 (_state_checks imports this module)
+
+    state = inner.init(params)
+    check_opt_state(state.inner_opt_state, caller="multi_steps")  # the clip must come last in opt
+    return MultiStepsMaxLogitsState(inner=state, max_logits=init_max_logits(params, layout))
 
   def update_fn(updates, state, params=None, *, max_logits=None, **extra_args):
     if max_logits is None:

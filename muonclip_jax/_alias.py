@@ -7,6 +7,9 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
 from ._muon import check_number, scale_by_muon
@@ -118,6 +121,19 @@ def muon_adamw(
   return a mask of that sub-tree's structure: ``jax.tree.map`` or
   ``jax.tree_util.tree_map_with_path`` over its argument does, e.g.
   ``lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)`` to decay no bias or norm scale.
+
+  Inherited from optax (``optax.adamw`` does the same):
+
+  * float16 parameters: ``adam_eps=1e-8`` rounds to 0 in float16, and squared gradients
+    below ~2e-4 underflow, so AdamW's half divides 0 by 0 and its updates turn NaN. Keep
+    float32 master parameters and run the model in float16
+    (``training.make_train_step(compute_dtype=jnp.float16)``), or use bfloat16, whose
+    range holds 1e-8. The Muon half is not affected. ``init`` refuses (ValueError) float16
+    leaves routed to AdamW when ``adam_eps`` is 0 in float16.
+  * The state is not checked against the params by ``update``: a state from another model
+    (a 1-layer model's state on a 3-layer model) broadcasts into the update silently.
+    ``make_train_step`` refuses it at its first trace; in a loop of your own call
+    ``check_opt_state(state, optimizer=opt, params=params)`` after restoring a checkpoint.
   """
   muon_half = muon(learning_rate, weight_decay=weight_decay, **muon_options)  # checks Muon's options first
   adam_wd = weight_decay if adam_weight_decay is None else adam_weight_decay
@@ -139,4 +155,28 @@ def muon_adamw(
           mask=muon_options.get("weight_decay_mask"),
       ),
   }
-  return optax.partition(transforms, muon_labels if labels is None else labels)
+  routing = muon_labels if labels is None else labels
+  tx = optax.partition(transforms, routing)
+
+  def init_fn(params):
+    _check_adam_eps_dtype(params, routing, adam_eps)
+    return tx.init(params)
+
+  return optax.GradientTransformationExtraArgs(init_fn, tx.update)
+
+
+def _check_adam_eps_dtype(params: Any, routing: Any, adam_eps: Any) -> None:
+  """AdamW on float16 leaves with an ``adam_eps`` that is 0 in float16 divides 0 by 0: refuse it.
+
+  (Its second moment has the params' dtype whatever ``mu_dtype`` is, so that does not help.)
+  """
+  if isinstance(adam_eps, jax.core.Tracer) or np.float16(float(adam_eps)) != 0:
+    return
+  labels = routing(params) if callable(routing) else routing
+  for (path, leaf), label in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(labels)):
+    if label == ADAM and jnp.result_type(leaf) == jnp.float16:
+      raise ValueError(
+          f"muon_adamw: {jax.tree_util.keystr(path, simple=True, separator='/')} is float16 and goes to AdamW, "
+          f"whose adam_eps={adam_eps!r} is 0 in float16: squared gradients below ~2e-4 underflow too, so "
+          "AdamW's update would be 0/0 = NaN (plain optax.adamw does the same). Keep float32 master params "
+          "(make_train_step(compute_dtype=jnp.float16)), use bfloat16, or pass adam_eps >= 6e-8")

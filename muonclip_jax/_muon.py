@@ -223,7 +223,11 @@ def scale_by_muon(
       and each batched call's temporaries grow with its size; on accelerators, batching
       small matrices saves kernel launches. Under ``optax.inject_hyperparams`` pass
       ``static_args=("ns_batch",)``.
-    eps: Newton–Schulz norm epsilon; a zero gradient gives a zero update.
+    eps: Newton–Schulz norm epsilon; a zero gradient gives a zero update. It is a floor on
+      the normalization (see ``newton_schulz``): a direction whose Frobenius norm is not
+      well above ``eps`` (entries of 1e-30, say) gives an update near zero instead of an
+      orthogonal one. There is no ceiling: directions with entries up to float32's largest
+      (1e19 to 1e38, whose squares overflow) give the update of the direction scaled down.
     compute_dtype: dtype of the Newton–Schulz iteration (default: the gradient's).
     mu_dtype: dtype of the momentum (default: the gradient's).
     rms_match: ``"moonlight"`` (``rms_scale * sqrt(max(fan_in, fan_out))``, the default),

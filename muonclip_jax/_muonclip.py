@@ -18,7 +18,7 @@ import optax
 
 from ._alias import forwards_options_of, muon_adamw
 from ._muon import check_number
-from ._qk_clip import _check_layout, qk_clip, qk_clip_stats
+from ._qk_clip import _check_layout, qk_clip, qk_clip_stats, threshold_or_nan
 
 _MISSING_MAX_LOGITS = (
     "{name}: max_logits is missing, but the clip threshold is {tau!r}; pass "
@@ -36,7 +36,9 @@ class QKClipState(NamedTuple):
   """
 
   count: jax.Array  # shape=(), int32: updates so far (the step a tau schedule is evaluated at)
-  threshold: jax.Array  # shape=(), float32: tau of the last update (+inf: clip off)
+  # shape=(), float32: tau of the last update (+inf: clip off; NaN: the tau was NaN, zero or
+  # negative, which only a traced tau can be, and nothing was clipped)
+  threshold: jax.Array
   num_clipped: jax.Array  # shape=(), int32: heads the last update clipped, over all layers
   min_gamma: jax.Array  # shape=(), float32: smallest factor gamma_h of the last update (1: none)
 
@@ -51,7 +53,7 @@ def _clip_is_off(threshold: Any) -> bool:
 
 
 def _state(count, threshold, num_clipped=0, min_gamma=1.0) -> QKClipState:
-  return QKClipState(count=jnp.asarray(count, jnp.int32), threshold=jnp.asarray(threshold, jnp.float32),
+  return QKClipState(count=jnp.asarray(count, jnp.int32), threshold=threshold_or_nan(threshold),
                      num_clipped=jnp.asarray(num_clipped, jnp.int32), min_gamma=jnp.asarray(min_gamma, jnp.float32))
 
 
@@ -65,6 +67,19 @@ def qk_clip_transform(threshold: Any, *, layout: Any) -> optax.GradientTransform
   The state (``QKClipState``) records the tau, the number of clipped heads and the
   smallest gamma of the last update.
 
+  It must be the last transform: ``params + u'`` is the clipped weights only if nothing
+  changes ``u'`` afterwards. ``optax.chain(qk_clip_transform(...), optax.scale(0.5))``
+  would halve the clip's correction and ``clip_by_global_norm`` after it could undo it,
+  while the state still reported the heads as clipped. A transform cannot see what follows
+  it, so ``make_train_step``, ``sharding.init_state``, ``multi_steps`` and
+  ``check_opt_state`` refuse such a chain (ValueError); put every other transform before
+  it. Gradient accumulation around it must be ``multi_steps``, not ``optax.MultiSteps``.
+
+  A traced tau (a schedule, ``optax.inject_hyperparams``) that is NaN, zero or negative
+  cannot raise inside jit: it clips nothing, and the state's ``threshold`` is NaN (the
+  train step's metrics: ``qk_clip_threshold`` NaN, ``qk_clip_threshold_valid`` False).
+  A concrete one is a ValueError here.
+
   Rounding: for a clipped head, ``params + (clipped - params)`` equals ``clipped`` exactly
   when ``clipped / params`` lies in [1/2, 2] (Sterbenz's lemma: the subtraction is then
   exact), e.g. gamma >= 1/2 and an update small against the weight; otherwise the two
@@ -73,9 +88,9 @@ def qk_clip_transform(threshold: Any, *, layout: Any) -> optax.GradientTransform
 
   Args:
     threshold: tau > 0 (Kimi K2: 100), or a schedule: a callable of the update count
-      (0, 1, ...) returning tau (an infinite tau clips nothing). ``None`` or ``inf`` turns
-      the clip off, and then ``max_logits`` is not needed. May be traced
-      (``optax.inject_hyperparams``).
+      (0, 1, ...) returning tau (an infinite tau clips nothing; a NaN or non-positive one
+      clips nothing and is flagged, see above). ``None`` or ``inf`` turns the clip off, and
+      then ``max_logits`` is not needed. May be traced (``optax.inject_hyperparams``).
     layout: an ``MLALayout``/``GQALayout`` or a mapping from path patterns to them.
   """
   _check_layout(layout)
@@ -135,8 +150,16 @@ def muonclip(
   muonclip(...))`` (``chain`` hands ``max_logits`` on), schedules, and
   ``optax.inject_hyperparams`` (``qk_clip_threshold`` may be injected). For gradient
   accumulation wrap it with ``muonclip_jax.multi_steps`` (not plain ``optax.MultiSteps``,
-  which would hand on only the last microbatch's maxima), or take the maximum over the
-  microbatches yourself (``muonclip_jax.training.make_train_step(num_microbatches=k)``).
+  which would hand on only the last microbatch's maxima, or none), or take the maximum over
+  the microbatches yourself (``muonclip_jax.training.make_train_step(num_microbatches=k)``).
+
+  The clip must act on the final parameters, so ``muonclip`` must be the last transform:
+  put gradient clipping and the like before it (``optax.chain(optax.clip_by_global_norm(1.0),
+  muonclip(...))``), never after (``optax.chain(muonclip(...), optax.scale(0.5))`` would
+  halve the clip's correction while its state still reported the heads as clipped).
+  ``make_train_step``, ``sharding.init_state``, ``multi_steps`` and ``check_opt_state``
+  refuse a transform after the clip with a ValueError; in a loop of your own, call
+  ``check_opt_state(opt.init(params))`` once.
 
   Args:
     learning_rate: a scalar or schedule, shared by Muon and (by default) AdamW.
@@ -145,7 +168,9 @@ def muonclip(
     qk_clip_threshold: tau (Kimi K2: 100), or a schedule of the step count (see
       ``qk_clip_transform``). ``None`` or ``inf`` turns the clip off, and
       ``max_logits`` is then optional; with a finite tau a missing ``max_logits`` is a
-      ValueError at trace time, never a silent no-clip.
+      ValueError at trace time, never a silent no-clip. A traced tau that turns NaN, zero
+      or negative clips nothing and shows as NaN in ``QKClipState.threshold``
+      (``qk_clip_threshold_valid`` False in ``make_train_step``'s metrics).
     **muon_adamw_kwargs: every keyword argument of ``muon_adamw`` (``weight_decay=0.1``,
       ``labels``, ``matrix_axes``, the AdamW and Newton–Schulz options), with its defaults;
       ``muonclip``'s signature lists them, so ``inject_hyperparams`` sees each one. Under

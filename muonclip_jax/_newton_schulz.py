@@ -192,7 +192,12 @@ def newton_schulz(
       ``POLAR_EXPRESS_4_COEFFS``; Schatten-4 normalization), or an array of shape ``(3,)``
       (the same every step) or ``(steps, 3)``. Steps past a preset's table use the
       converged quintic (15/8, -10/8, 3/8).
-    eps: added to the norm, so that a zero matrix maps to zero.
+    eps: added to the norm, so that a zero matrix maps to zero. It is a floor: the input is
+      divided by ``s ||x|| + eps``, so a matrix whose Frobenius norm is not well above
+      ``eps`` (entries of 1e-30, say) is divided by about ``eps`` instead of its norm and
+      comes out near zero, not near orthogonal. Large inputs have no such limit: the norm is
+      taken of ``x / max |x|``, so entries up to float32's largest give the output of the
+      input scaled down (orthogonalization is scale-invariant), without overflow.
     compute_dtype: dtype of the iteration (e.g. ``jnp.bfloat16`` on accelerators);
       defaults to ``x.dtype``. Norms are always taken in float32. With ``"gram"`` only the
       ``m x n`` products run in ``compute_dtype`` (accumulating in float32); the ``m x m``
@@ -239,12 +244,18 @@ def newton_schulz(
   tall = x.shape[-2] > x.shape[-1]  # then A = X^T X and X <- a X + X B^T, no transposes
   m, n = min(x.shape[-2:]), max(x.shape[-2:])
   gram = method == "gram" or (method == "auto" and n >= GRAM_ASPECT * m)
+  # x / (s ||x||_F + eps), computed as y / (s ||y||_F + eps / a) with y = x / a, a = max |x|:
+  # the squares of entries above ~1.8e19 overflow float32, those of y never do (|y| <= 1).
   xf = x.astype(jnp.float32)
-  norm = jnp.sqrt(jnp.sum(jnp.square(xf), axis=(-2, -1), keepdims=True))
+  amax = jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True)
+  amax = jnp.where(amax > 0, amax, 1.0)
+  y = xf / amax
+  norm = jnp.sqrt(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True))
+  floor = eps / amax
   if normalize == "frobenius":
-    X = (xf / (norm * norm_scale + eps)).astype(dtype)
+    X = (y / (norm * norm_scale + floor)).astype(dtype)
   else:  # divided by the Frobenius norm first (keeps bf16 in range); the S4 scale comes later
-    X = (xf / (norm + eps)).astype(dtype)
+    X = (y / (norm + floor)).astype(dtype)
   if gram:
     X = _gram_iterate(X, table, steps, normalize == "schatten4", norm_scale, eps, restarts, tall)
   else:

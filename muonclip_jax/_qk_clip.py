@@ -39,6 +39,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._layouts import GQALayout, MLALayout
 from ._layouts import check_layout as _check_layout
@@ -47,6 +48,7 @@ from ._layouts import matching_patterns
 from ._max_logits import MAX_LOGITS as _MAX_LOGITS
 from ._max_logits import collect_max_logits as collect_max_logits
 from ._max_logits import nest_max_logits as nest_max_logits
+from ._muon import check_number
 from ._paths import keystr as _path_str
 from ._paths import strip_value as _strip_value
 from ._projections import detect, missing_projections
@@ -64,22 +66,32 @@ def _join(module: str, name: str) -> str:
 def _resolve_threshold(threshold: Any) -> jax.Array | None:
   """Validates tau; returns it as a float32 scalar, or None when clipping is off.
 
-  None or +inf turns the clip off. A concrete NaN or non-positive value raises ValueError.
-  A traced value cannot be checked; it is handled numerically (``_gamma`` clips nothing when
-  tau is NaN, infinite or <= 0).
+  None or +inf turns the clip off. The types ``muonclip(qk_clip_threshold=...)`` takes are
+  taken (``check_number``): a concrete NaN or non-positive value is a ValueError, a string
+  or a bool a TypeError. A traced value cannot be checked; it is handled numerically
+  (``_gamma`` clips nothing when tau is NaN, infinite or <= 0; ``threshold_or_nan`` flags it).
   """
   if threshold is None:
     return None
-  if jnp.ndim(threshold) != 0:
+  if isinstance(threshold, (jax.Array, np.ndarray)) and jnp.ndim(threshold) != 0:
     raise ValueError(f"qk_clip: threshold must be a scalar, got shape {jnp.shape(threshold)}")
   if isinstance(threshold, jax.core.Tracer):  # e.g. optax.inject_hyperparams inside jit
     return jnp.asarray(threshold, jnp.float32)
+  check_number("qk_clip: threshold", threshold, low=0.0, low_open=True)
   value = float(threshold)
-  if math.isnan(value) or value <= 0:
-    raise ValueError(f"qk_clip: threshold must be > 0 (or None/inf for no clip), got {value}")
   if math.isinf(value):
     return None
   return jnp.asarray(value, jnp.float32)
+
+
+def threshold_or_nan(tau: Any) -> jax.Array:
+  """tau as float32, NaN where it cannot be a threshold (NaN, zero, negative; +inf stays).
+
+  A traced tau (a schedule, ``optax.inject_hyperparams``) cannot raise inside jit; such a
+  tau clips nothing, and this is how the state and the metrics show it.
+  """
+  tau = jnp.asarray(tau, jnp.float32)
+  return jnp.where(tau > 0, tau, jnp.nan)
 
 
 def _by_module(flat: list) -> dict[str, dict[str, int]]:
@@ -115,6 +127,15 @@ def _gamma(s: jax.Array, tau: jax.Array) -> tuple[jax.Array, jax.Array]:
   clipped = jnp.isfinite(s) & (s > tau) & (tau > 0)
   gamma = jnp.where(clipped, tau / jnp.where(clipped, s, 1.0), 1.0)
   return clipped, gamma
+
+
+def clip_decisions(max_logits: jax.Array, threshold: Any) -> tuple[jax.Array, jax.Array]:
+  """Per head ``(clipped, gamma)`` of ``qk_clip`` for maxima ``(..., H)`` at a traced or concrete tau.
+
+  ``clipped``: S_max finite and above tau > 0; ``gamma``: tau / S_max there, else 1. A tau
+  that is NaN, infinite or <= 0 clips nothing.
+  """
+  return _gamma(jnp.asarray(max_logits, jnp.float32), jnp.asarray(threshold, jnp.float32))
 
 
 def clip_factors(max_logits: jax.Array, threshold: Any) -> jax.Array:

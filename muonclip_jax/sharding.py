@@ -36,6 +36,7 @@ from ._distributed_ns import mesh_of as _mesh_of
 from ._distributed_ns import orthogonalize_sharded as orthogonalize_sharded
 from ._ns_planner import entry_axes as _axes
 from ._paths import key_name, path_str, strip_value
+from ._state_checks import check_opt_state
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = Sequence[tuple[str, MeshAxes]]
@@ -201,8 +202,10 @@ def init_state(optimizer: Any, params: Any, shardings: Any) -> Any:
   """``optimizer.init(params)`` under ``jit`` with ``state_shardings`` as output shardings.
 
   ``params`` should already carry ``shardings`` (``jax.device_put(params, shardings)``).
+  Refuses, like ``check_opt_state``, an optimizer with a transform after its QK-Clip.
   """
   abstract = jax.eval_shape(optimizer.init, params)
+  check_opt_state(abstract, caller="init_state")  # e.g. no transform after the QK-Clip
   return jax.jit(optimizer.init, out_shardings=state_shardings(abstract, params, shardings))(params)
 
 

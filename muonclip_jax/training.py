@@ -20,10 +20,13 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._accumulation import merge_max_logits
+from ._accumulation import MultiStepsMaxLogitsState, merge_max_logits
+from ._exact_clip import exact_clip_with_factors as _exact_clip
+from ._exact_clip import exact_qk_clip as exact_qk_clip
 from ._muon import check_number
 from ._muonclip import QKClipState
-from ._qk_clip import collect_max_logits, nest_max_logits, qk_clip, qk_clip_stats
+from ._qk_clip import clip_decisions, collect_max_logits, nest_max_logits, qk_clip_stats, threshold_or_nan
+from ._state_checks import check_opt_state
 
 LossFn = Callable[..., tuple[jax.Array, Any]]
 
@@ -32,20 +35,34 @@ def clip_metrics(maxima: dict[str, jax.Array], threshold: Any) -> dict[str, Any]
   """Logging metrics of one step's maxima ``{module: (*stack, H)}`` (all arrays, jit-safe).
 
   ``max_logits`` (the maxima themselves, per head), ``max_logit`` (largest over all heads),
-  ``max_logit_per_layer`` (``{module: (*stack,)}``),
-  ``num_clipped`` (heads with S_max > tau), ``clipped_fraction`` (of all heads; Kimi K2
-  reports 12.7% of heads triggering in K2's first 70k steps) and ``min_gamma``.
+  ``max_logit_per_layer`` (``{module: (*stack,)}``) and ``num_above_threshold`` (heads
+  with S_max > tau: the heads a clip with these maxima would scale, whether or not one
+  did; 0 when tau is None). What was clipped is ``applied_clip_metrics``.
   """
   stats = qk_clip_stats(nest_max_logits(maxima), threshold=threshold)
-  num_clipped = sum(jnp.sum(s["num_clipped"]) for s in stats.values())
-  num_heads = sum(jnp.sum(s["num_heads"]) for s in stats.values())
   return {
       "max_logits": dict(maxima),
       "max_logit": jnp.max(jnp.stack([jnp.max(s["max_logit"]) for s in stats.values()])),
       "max_logit_per_layer": {m: s["max_logit"] for m, s in stats.items()},
+      "num_above_threshold": sum(jnp.sum(s["num_clipped"]) for s in stats.values()),
+  }
+
+
+def applied_clip_metrics(scaled: dict[str, jax.Array], gamma: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """``num_clipped``, ``clipped_fraction`` and ``min_gamma`` of the scaling a step applied.
+
+  ``scaled`` and ``gamma`` are ``{module: (*stack, H)}``: whether each head was scaled at
+  least once in the step, and the product of the factors gamma_h applied to it (over the
+  optimizer's clip and every pass of the exact clip). ``num_clipped`` counts the scaled
+  heads, ``clipped_fraction`` divides by all heads (Kimi K2 reports 12.7% of heads
+  triggering in K2's first 70k steps), ``min_gamma`` is the smallest product (1.0: none).
+  """
+  num_clipped = sum(jnp.sum(v, dtype=jnp.int32) for v in scaled.values())
+  num_heads = sum(math.prod(v.shape) for v in scaled.values())
+  return {
       "num_clipped": num_clipped,
       "clipped_fraction": num_clipped / num_heads,
-      "min_gamma": jnp.min(jnp.stack([jnp.min(s["min_gamma"]) for s in stats.values()])),
+      "min_gamma": jnp.min(jnp.stack([jnp.min(g) for g in gamma.values()])),
   }
 
 
@@ -101,6 +118,15 @@ def _clip_state(opt_state: Any) -> QKClipState | None:
     raise ValueError(f"make_train_step: the optimizer has {len(found)} QK-Clip transforms; the metrics and "
                      "exact_clip need one tau")
   return found[0] if found else None
+
+
+def _maxima_the_clip_sees(opt_state: Any, maxima: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """The maxima the optimizer hands its clip: the step's, with ``multi_steps``' running maximum."""
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, MultiStepsMaxLogitsState))
+           if isinstance(x, MultiStepsMaxLogitsState)]
+  if len(found) != 1:  # none, or nested ones (not tracked: the per-head metrics use the step's)
+    return maxima
+  return merge_max_logits(collect_max_logits(found[0].max_logits, "make_train_step"), maxima)
 
 
 def _optimizer_clip_metrics(before: QKClipState, after: QKClipState, maxima: dict[str, jax.Array]) -> dict:
@@ -191,7 +217,9 @@ def make_train_step(
       back as ``metrics["aux"]``, averaged over microbatches like the loss. When the step
       is called with ``rng``, it is called as ``loss_fn(params, batch, rng)`` (dropout).
     optimizer: any Optax optimizer; ``muonclip`` clips inside its update, and the step
-      reads what it did from its ``QKClipState``, wherever it sits in the state.
+      reads what it did from its ``QKClipState``, wherever it sits in the state. The clip
+      must be the optimizer's last transform (nothing after it in a chain), and gradient
+      accumulation around it must be ``muonclip_jax.multi_steps``, not ``optax.MultiSteps``.
     qk_clip_threshold: tau for the metrics when the optimizer does not clip, and for
       ``exact_clip``: a number, or a schedule evaluated at the optimizer's step count (the
       ``count`` of its ``QKClipState``, else the first ``count`` in its state). ``None``:
@@ -223,15 +251,28 @@ def make_train_step(
     The step function; ``rng`` (optional) is a key handed to ``loss_fn`` (split per
     microbatch). ``metrics`` holds ``loss``, ``grad_norm`` (global norm of the averaged
     gradient, before the optimizer), the forward pass's ``max_logits`` (per head), ``max_logit``,
-    ``max_logit_per_layer``, ``num_clipped``, ``clipped_fraction``, ``min_gamma`` (when
-    the optimizer clips: the clip it made in this call, read from its ``QKClipState``, so
-    0 clipped at the micro-steps of ``multi_steps`` that do not update; otherwise counted
-    from the forward pass's maxima at the given tau, see ``clip_metrics``), and when they apply:
-    ``qk_clip_threshold`` (the tau of those counts), ``learning_rate`` (the optimizer's,
-    when injected with ``optax.inject_hyperparams``; a dict by state path when several
-    are), ``aux`` (``loss_fn``'s extra outputs) and ``exact_clip_passes`` (int32, the
-    forward passes the exact clip took, 1 to the number of attention layers).
-    ``metrics_to_floats`` turns them into a flat dict of floats for logging.
+    ``max_logit_per_layer``, and what the step did to the weights: ``num_clipped`` (heads
+    scaled at least once in this call), ``clipped_fraction`` (of all heads) and
+    ``min_gamma`` (the product of the factors gamma_h applied to the most-scaled head; 1.0
+    when none), counting the optimizer's clip (read from its ``QKClipState``: 0 at the
+    micro-steps of ``multi_steps`` that do not update) and every pass of the exact clip. An
+    optimizer that does not clip, without ``exact_clip``, clips nothing: 0 and 1.0. When a
+    tau is known (the optimizer's, else ``qk_clip_threshold``): ``num_above_threshold``
+    (heads whose forward-pass max logit is above tau, clipped or not),
+    ``qk_clip_threshold`` (that tau; NaN when a schedule or an injected tau gave a NaN,
+    zero or negative value, which clips nothing and cannot raise inside jit) and
+    ``qk_clip_threshold_valid`` (bool, False exactly then). And when they apply:
+    ``learning_rate`` (the optimizer's, when injected with ``optax.inject_hyperparams``; a
+    dict by state path when several are), ``aux`` (``loss_fn``'s extra outputs) and
+    ``exact_clip_passes`` (int32, the forward passes the exact clip took, 1 to the number
+    of attention layers). ``metrics_to_floats`` turns them into a flat dict of floats for
+    logging.
+
+  Raises:
+    ValueError: at the first trace, when the optimizer has a transform after its QK-Clip,
+      wraps the clip in a plain ``optax.MultiSteps`` (use ``muonclip_jax.multi_steps``), or
+      its state does not fit the params in structure or shape (e.g. restored from another
+      model); see ``muonclip_jax.check_opt_state``.
   """
   if not isinstance(num_microbatches, int) or num_microbatches < 1:
     raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
@@ -274,41 +315,56 @@ def make_train_step(
     return loss_sum / k, grads, maxima, jax.tree.map(lambda a: a / k, aux_sum)
 
   def step(params, opt_state, batch, rng=None):
+    # At trace time only: the clip comes last, no plain MultiSteps around it, and the state
+    # fits the params (structure and shapes, abstractly).
+    check_opt_state(opt_state, optimizer=opt, params=params, caller="make_train_step")
     loss, grads, maxima, aux = loss_grads_maxima(params, batch, rng)
     given = qk_clip_threshold(_step_count(opt_state)) if callable(qk_clip_threshold) else qk_clip_threshold
-    before = _clip_state(opt_state)
+    if given is not None:
+      given = threshold_or_nan(given)  # a schedule's invalid value shows as NaN
+    before, seen = _clip_state(opt_state), _maxima_the_clip_sees(opt_state, maxima)
     updates, opt_state = opt.update(grads, opt_state, params, max_logits=nest_max_logits(maxima))
     params = optax.apply_updates(params, updates)
     clip = _clip_state(opt_state)
-    tau = clip.threshold if clip is not None else given
+    tau = clip.threshold if clip is not None else given  # the clip's own is NaN when invalid
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **clip_metrics(maxima, tau)}
-    if clip is not None:
-      metrics.update(_optimizer_clip_metrics(before, clip, maxima))
     if tau is not None:
       metrics["qk_clip_threshold"] = jnp.asarray(tau, jnp.float32)
+      metrics["qk_clip_threshold_valid"] = ~jnp.isnan(metrics["qk_clip_threshold"])
     learning_rate = _learning_rates(opt_state)
     if learning_rate is not None:
       metrics["learning_rate"] = learning_rate
     if aux is not None:
       metrics["aux"] = aux
-    if exact_clip:
-      tau = given if given is not None else tau
-      if tau is None:
-        raise ValueError("make_train_step: exact_clip=True needs qk_clip_threshold, or an optimizer that clips "
-                         "(muonclip), whose tau it then uses")
-      measure = lambda p: _maxima_on(forward, p, batch, rng, k)
-      clip_now = lambda p: exact_qk_clip(p, measure, threshold=tau, layout=layout,
-                                         rtol=_exact_rtol(params, compute_dtype))
-      stepped = _applied_an_update(opt_state)
-      if stepped is None:
-        params, metrics["exact_clip_passes"] = clip_now(params)
-      else:  # accumulating (MultiSteps): the weights change, and get clipped, only at the real update
-        params, metrics["exact_clip_passes"] = jax.lax.cond(
-            stepped, clip_now, lambda p: (p, jnp.zeros((), jnp.int32)), params)
-        if clip is None:
-          metrics["num_clipped"] = jnp.where(stepped, metrics["num_clipped"], 0)
-          metrics["clipped_fraction"] = jnp.where(stepped, metrics["clipped_fraction"], 0.0)
-          metrics["min_gamma"] = jnp.where(stepped, metrics["min_gamma"], 1.0)
+    # What the optimizer's clip did, per head (it clipped with `seen` at its tau, if it acted).
+    ones = {m: jnp.ones(s.shape, jnp.float32) for m, s in maxima.items()}
+    scaled, gamma = {m: jnp.zeros(s.shape, bool) for m, s in maxima.items()}, ones
+    if clip is not None:
+      acted = clip.count != before.count
+      for m, s in seen.items():
+        hit, g = clip_decisions(s, clip.threshold)
+        scaled[m], gamma[m] = hit & acted, jnp.where(acted, g, 1.0)
+    if not exact_clip:
+      metrics.update(applied_clip_metrics(scaled, gamma))
+      if clip is not None:  # exactly what the optimizer's state reports
+        metrics.update(_optimizer_clip_metrics(before, clip, maxima))
+      return params, opt_state, metrics
+    tau = given if given is not None else tau
+    if tau is None:
+      raise ValueError("make_train_step: exact_clip=True needs qk_clip_threshold, or an optimizer that clips "
+                       "(muonclip), whose tau it then uses")
+    measure = lambda p: _maxima_on(forward, p, batch, rng, k)
+    clip_now = lambda p: _exact_clip(p, measure, threshold=tau, layout=layout,
+                                     rtol=_exact_rtol(params, compute_dtype))
+    stepped = _applied_an_update(opt_state)
+    if stepped is None:
+      params, passes, exact_scaled, exact_gamma = clip_now(params)
+    else:  # accumulating (MultiSteps): the weights change, and get clipped, only at the real update
+      skip = lambda p: (p, jnp.zeros((), jnp.int32), {m: jnp.zeros(v.shape, bool) for m, v in ones.items()}, ones)
+      params, passes, exact_scaled, exact_gamma = jax.lax.cond(stepped, clip_now, skip, params)
+    metrics["exact_clip_passes"] = passes
+    metrics.update(applied_clip_metrics({m: scaled[m] | exact_scaled[m] for m in scaled},
+                                        {m: gamma[m] * exact_gamma[m] for m in gamma}))
     return params, opt_state, metrics
 
   return step
@@ -329,46 +385,3 @@ def _exact_rtol(params: Any, compute_dtype: Any) -> float:
   dtypes = [jnp.dtype(compute_dtype)] if compute_dtype is not None else [
       jnp.result_type(x) for x in jax.tree.leaves(params) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
   return max([1e-4] + [float(jnp.finfo(d).eps) for d in dtypes])
-
-
-def exact_qk_clip(params: Any, measure: Callable[[Any], dict[str, jax.Array]], *, threshold: Any,
-                  layout: Any, rtol: float = 1e-4) -> tuple[Any, jax.Array]:
-  """QK-Clip until the params' own maxima are at most tau (1 + rtol), for any depth.
-
-  Clipping attention layer l changes the input of the layers after it, so one clip with the
-  maxima of one forward pass bounds only the first layer. This repeats: measure the maxima
-  of ``params`` (``measure(params) -> {module: (*stack, H)}``, a gradient-free forward pass
-  on the step's batch), and clip every head above ``tau (1 + rtol)`` to tau, until no head
-  is above it, or at most ``L`` times, ``L`` the number of attention layers (rows of the
-  maxima: modules times stacked layers). After clip ``k`` the first ``k`` attention layers
-  (in the order of the forward pass) are at most tau and are never touched again, so the
-  inputs of layer ``k + 1`` are fixed: ``L`` clips bound every layer. This holds when each
-  attention layer's logits depend only on its own and earlier layers' query/key weights;
-  an attention module whose weights are applied more than once in the forward pass
-  (weight sharing across depth) is not covered by the bound.
-
-  Inside jit, no host sync (``lax.while_loop``). Returns ``(params, passes)``: ``passes``
-  (int32, 1 to L) is the number of forward passes taken; the last clip needs no forward
-  pass after it (it is the L-th clip, or clips nothing).
-  """
-  maxima = measure(params)
-  num_layers = sum(math.prod(s.shape[:-1]) for s in maxima.values())
-  limit = jnp.asarray(threshold, jnp.float32) * (1 + rtol)
-
-  def over(maxima):  # heads within the tolerance keep their weights
-    return nest_max_logits({m: jnp.where(s > limit, s, -jnp.inf) for m, s in maxima.items()})
-
-  def clip(params, maxima):
-    return qk_clip(params, over(maxima), threshold=threshold, layout=layout)
-
-  def cond(carry):
-    _, maxima, passes = carry
-    return (passes < num_layers) & jnp.any(jnp.stack([jnp.any(s > limit) for s in maxima.values()]))
-
-  def body(carry):
-    params, maxima, passes = carry
-    params = clip(params, maxima)
-    return params, measure(params), passes + 1
-
-  params, maxima, passes = jax.lax.while_loop(cond, body, (params, maxima, jnp.ones((), jnp.int32)))
-  return clip(params, maxima), passes

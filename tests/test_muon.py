@@ -326,3 +326,36 @@ def test_unknown_keyword_names_the_function_and_lists_its_options(factory, extra
   options = str(e.value).split("its options are: ")[1].split(", ")
   assert options == [p for p in inspect.signature(factory).parameters if p != "learning_rate"]
   assert "beta" in options and "ns_coeffs" in options and "scale_by_muon" not in str(e.value)
+
+
+def test_extreme_gradient_scales_give_the_update_of_the_gradient_scaled_down():
+  """Gradients of 1e19 to 1e30 made the Frobenius norm overflow float32 (update exactly 0);
+  the update of a scaled gradient is that of the gradient (momentum is linear, the
+  orthogonalization scale-invariant)."""
+  params = _params()
+  g = jax.tree.map(jnp.sin, params)
+  tx = mc.scale_by_muon()
+  update = jax.jit(tx.update)
+  ref, _ = update(g, tx.init(params))
+  assert all(float(jnp.max(jnp.abs(u))) > 0.1 for u in jax.tree.leaves(ref))
+  for scale in (1e19, 1e25, 1e30):
+    u, state = update(jax.tree.map(lambda x: x * scale, g), tx.init(params))
+    chex.assert_trees_all_close(u, ref, atol=1e-5, rtol=0)
+    chex.assert_tree_all_finite(state.mu)
+
+
+def test_float16_adam_leaves_with_an_eps_that_underflows_are_refused_at_init():
+  """Inherited from optax: adam_eps=1e-8 is 0 in float16, and AdamW's update of a zero
+  gradient is then 0/0 = NaN (plain optax.adamw does the same). muon_adamw's init says so."""
+  params = {"embed": jnp.ones((4, 8), jnp.float16), "w": jnp.ones((8, 8), jnp.float16)}
+  g = {"embed": jnp.zeros((4, 8), jnp.float16), "w": jnp.full((8, 8), 0.1, jnp.float16)}
+  plain = optax.adamw(0.01)
+  assert bool(jnp.isnan(plain.update(g, plain.init(params), params)[0]["embed"]).any())  # what it guards
+  with pytest.raises(ValueError, match=r"muon_adamw: embed is float16 and goes to AdamW, whose adam_eps=1e-08 is 0"):
+    mc.muon_adamw(0.01).init(params)
+  with pytest.raises(ValueError, match=r"is 0 in float16"):  # a float32 first moment does not help
+    mc.muon_adamw(0.01, mu_dtype=jnp.float32).init(params)
+  opt = mc.muon_adamw(0.01, adam_eps=1e-4)
+  u, _ = opt.update(g, opt.init(params), params)
+  chex.assert_tree_all_finite(u)
+  mc.muon_adamw(0.01).init(optax.tree.cast(params, jnp.bfloat16))  # bfloat16 holds 1e-8

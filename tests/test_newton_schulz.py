@@ -132,3 +132,19 @@ def test_property_output_bounded_and_finite(x):
   y = np.asarray(newton_schulz(jnp.asarray(x)), np.float64)
   assert np.all(np.isfinite(y))
   assert np.linalg.svd(y, compute_uv=False).max() <= BANDS[("muon", jnp.float32)][1]
+
+
+@pytest.mark.parametrize("method,normalize", [("standard", "frobenius"), ("gram", "schatten4")])
+def test_huge_inputs_give_the_output_of_the_input_scaled_down(method, normalize):
+  """Orthogonalization is scale-invariant: entries of 1e19 to 1e38 (whose squares overflow
+  float32) give the output of the same matrix at a normal scale, not zero."""
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 8, 24)), jnp.float32)
+  kw = dict(steps=4, coeffs="polar_express_4", method=method, normalize=normalize)
+  ref = newton_schulz(x, **kw)
+  assert float(jnp.min(jnp.linalg.svd(ref, compute_uv=False))) > 0.5
+  for scale in (1e19, 1e25, 1e30, 1e37):
+    out = jax.jit(lambda x: newton_schulz(x, **kw))(x * scale)
+    chex.assert_trees_all_close(out, ref, atol=2e-5, rtol=0)
+  # Tiny inputs hit the eps floor (documented): divided by ~eps, not by their norm.
+  tiny = newton_schulz(x * 1e-30, **kw)
+  assert float(jnp.max(jnp.abs(tiny))) < 1e-6  # against ~0.3 for the same matrix at scale 1

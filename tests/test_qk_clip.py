@@ -688,6 +688,23 @@ def test_bad_threshold(threshold):
     qk_clip_stats({"attn": {"max_logits": np.ones(2)}}, threshold=threshold)
 
 
+@pytest.mark.parametrize("threshold", [True, np.bool_(True), "10", 10j, [10.0]])
+def test_threshold_takes_the_types_muonclip_takes(threshold):
+  """qk_clip and qk_clip_stats refuse what muonclip(qk_clip_threshold=...) refuses (True was
+  taken as 1.0, "10" as 10.0), and take NumPy/JAX scalars and inf like it does."""
+  lay = GQALayout(2, 2, 2)
+  params, _ = _gqa_case(0, lay)
+  with pytest.raises(TypeError, match=r"qk_clip: threshold must be a real number"):
+    _clip(params, [1.0, 2.0], threshold=threshold, layout=lay)
+  with pytest.raises(TypeError, match=r"qk_clip: threshold must be a real number"):
+    qk_clip_stats({"attn": {"max_logits": np.ones(2)}}, threshold=threshold)
+  with pytest.raises(TypeError, match=r"qk_clip_threshold must be a real number"):
+    mc.muonclip(0.1, layout=lay, qk_clip_threshold=threshold)
+  for ok in (np.float32(1.5), jnp.asarray(1.5), 1, float("inf")):
+    _clip(params, [1.0, 2.0], threshold=ok, layout=lay)
+    mc.muonclip(0.1, layout=lay, qk_clip_threshold=ok)
+
+
 def test_errors():
   gqa = GQALayout(4, 2, 3)
   params, _ = _gqa_case(0, gqa)

@@ -5,6 +5,7 @@ import pathlib
 import types
 
 import chex
+import flax.linen as nn
 import jax
 import numpy as np
 import jax.numpy as jnp
@@ -18,6 +19,15 @@ from _deep_lm import DeepConfig, batches, init_params, make_loss_fn
 
 AXES = mc.MatrixAxes((-2,), (-1,))
 CONFIGS = [DeepConfig(a, s) for a in ("mla", "gqa") for s in (True, False)]
+MLA = DeepConfig("mla", True)
+
+
+def _head_factors(before, after):
+  """Per (layer, head) factor of an MLA head's logits: its q^R columns scale by exactly gamma_h."""
+  def rope(p):
+    k = np.asarray(nn.unbox(p)["layers"]["attn"]["wq_b"]["kernel"])  # (L, q_lora, H * (nope + rope))
+    return k.reshape(*k.shape[:2], MLA.layout.num_heads, -1)[..., MLA.layout.qk_nope_head_dim:]
+  return np.median(rope(after) / rope(before), axis=(1, 3))
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.attention}-{'scan' if c.scan else 'unrolled'}")
@@ -25,14 +35,34 @@ def test_exact_clip_bounds_every_layer_of_a_deep_model(cfg):
   # tau = 1 sits below the initial max logits (about 2 to 4.6), and Muon at lr 0.05 pushes
   # them further up: every step clips, in every layer, and clipping layer l moves the input
   # of layer l+1 (one clip with one forward pass left up to 1.23 tau here).
+  # Metrics (issue 21): num_clipped / min_gamma say what the step did to the weights, the
+  # product of the factors over all passes (read off the MLA q^R columns, which scale by
+  # exactly gamma_h); without the exact clip, muon_adamw clips nothing (the forward pass's
+  # count above tau is num_above_threshold).
   tau, loss_fn = 1.0, make_loss_fn(cfg)
   opt = mc.muon_adamw(0.05, matrix_axes=AXES)
   step = jax.jit(training.make_train_step(loss_fn, opt, qk_clip_threshold=tau, layout=cfg.layout, exact_clip=True))
+  check_metrics = cfg == MLA
+  if check_metrics:
+    plain = jax.jit(training.make_train_step(loss_fn, opt, qk_clip_threshold=tau))
   params = init_params(cfg)
   state = opt.init(params)
-  passes = []
+  passes, clipped = [], []
   for batch in batches(3):
+    if check_metrics:
+      above, _ = _stats(loss_fn, params, batch, tau)
+      stepped, _, m_plain = plain(params, state, batch)  # the update alone: nothing is clipped
+      assert int(m_plain["num_clipped"]) == 0 and float(m_plain["min_gamma"]) == 1.0
+      assert float(m_plain["clipped_fraction"]) == 0.0
+      assert int(m_plain["num_above_threshold"]) == above > 0
     params, state, metrics = step(params, state, batch)
+    if check_metrics:
+      gamma = _head_factors(stepped, params)  # (layers, heads): all passes together
+      assert int(metrics["num_above_threshold"]) == above
+      assert int(metrics["num_clipped"]) == int(np.sum(gamma < 1 - 1e-4))
+      clipped.append(int(metrics["num_clipped"]))
+      assert float(metrics["min_gamma"]) == pytest.approx(float(gamma.min()), rel=1e-4)
+      assert float(metrics["clipped_fraction"]) == pytest.approx(int(metrics["num_clipped"]) / gamma.size)
     after = collect_max_logits(loss_fn(params, batch)[1])
     assert sum(s.size // s.shape[-1] for s in after.values()) == cfg.num_layers
     worst = max(float(jnp.max(s)) for s in after.values())
@@ -42,9 +72,8 @@ def test_exact_clip_bounds_every_layer_of_a_deep_model(cfg):
     assert metrics["exact_clip_passes"].dtype == jnp.int32
   assert all(1 <= p <= cfg.num_layers for p in passes), passes
   assert max(passes) > 1, passes  # the extra passes did the work
+  assert not check_metrics or sum(clipped) > 0
 
-
-MLA = DeepConfig("mla", True)
 
 
 def _stats(loss_fn, params, batch, tau):
@@ -91,7 +120,8 @@ def test_tau_schedule_in_muonclip_and_in_make_train_step():
     num_clipped, _ = _stats(loss_fn, p, batch, float(schedule(t)))
     p, state, metrics = step(p, state, batch)
     assert float(metrics["qk_clip_threshold"]) == float(schedule(t))
-    assert int(metrics["num_clipped"]) == num_clipped
+    assert int(metrics["num_above_threshold"]) == num_clipped  # what the optimizer's clip scaled
+    assert int(metrics["num_clipped"]) >= num_clipped  # and the exact clip's passes on top
     worst = max(float(jnp.max(s)) for s in collect_max_logits(loss_fn(p, batch)[1]).values())
     assert worst <= float(schedule(t)) * (1 + 1e-4)
   # a schedule given to make_train_step, for the exact clip after a Muon step without clip
@@ -243,3 +273,83 @@ def test_microbatches_of_a_batch_sharded_on_an_explicit_mesh():
     out = jax.jit(lambda b, k=k: _split_microbatches(b, k))(x)
     np.testing.assert_array_equal(out, np.arange(16 * 3).reshape(k, 16 // k, 3))
     assert out.sharding.spec[:2] == P(None, lead)[:2], out.sharding
+
+
+@pytest.mark.parametrize("bad", ["scale", "clip_by_global_norm"])
+def test_a_transform_after_the_clip_is_refused_wherever_the_state_is_seen(bad):
+  from muonclip_jax import sharding
+
+  loss_fn, params = make_loss_fn(MLA), init_params(MLA)
+  clip = mc.muonclip(0.05, layout=MLA.layout, qk_clip_threshold=1.0, matrix_axes=AXES)
+  after = optax.scale(0.5) if bad == "scale" else optax.clip_by_global_norm(1e-3)
+  opt = optax.chain(clip, after)
+  match = r"a transform follows the QK-Clip in an optax.chain .*opt_state\[1\]"
+  with pytest.raises(ValueError, match="make_train_step: " + match):
+    jax.jit(training.make_train_step(loss_fn, opt))(params, opt.init(params), batches(1)[0])
+  with pytest.raises(ValueError, match="check_opt_state: " + match):
+    mc.check_opt_state(opt.init(params))
+  with pytest.raises(ValueError, match="multi_steps: a transform follows the QK-Clip"):
+    mc.multi_steps(opt, 2, layout=MLA.layout).init(params)
+  with pytest.raises(ValueError, match="init_state: a transform follows"):
+    sharding.init_state(opt, params, None)
+  with pytest.raises(ValueError, match="a transform follows the QK-Clip"):  # nested chains
+    mc.check_opt_state(optax.chain(optax.identity(), optax.chain(clip, after)).init(params))
+  # Transforms before the clip, wrappers around it, and multi_steps are fine.
+  for ok in (optax.chain(after, clip), optax.inject_hyperparams(mc.muonclip)(
+      learning_rate=0.05, layout=MLA.layout, qk_clip_threshold=1.0, matrix_axes=AXES),
+             mc.multi_steps(optax.chain(after, clip), 2, layout=MLA.layout)):
+    mc.check_opt_state(ok.init(params), optimizer=ok, params=params)
+
+
+def test_plain_optax_multisteps_around_a_clip_names_the_cause():
+  loss_fn, params = make_loss_fn(MLA), init_params(MLA)
+  clip = mc.muonclip(0.05, layout=MLA.layout, qk_clip_threshold=1.0, matrix_axes=AXES)
+  match = r"a plain optax.MultiSteps .* wraps a QK-Clip: .*muonclip_jax.multi_steps"
+  for opt in (optax.MultiSteps(clip, 2), optax.MultiSteps(clip, 2).gradient_transformation()):
+    with pytest.raises(ValueError, match="make_train_step: " + match):
+      jax.jit(training.make_train_step(loss_fn, opt))(params, opt.init(params), batches(1)[0])
+    with pytest.raises(ValueError, match=match):
+      mc.check_opt_state(opt.init(params))
+  plain_muon = optax.MultiSteps(mc.muon_adamw(0.05, matrix_axes=AXES), 2)  # no clip inside: fine
+  mc.check_opt_state(plain_muon.init(params))
+
+
+def test_a_state_that_does_not_fit_the_params_is_refused_at_the_first_trace():
+  """A 1-layer model's state would broadcast onto a 3-layer model's params without an error."""
+  one, three = DeepConfig("mla", True, num_layers=1), MLA
+  opt = mc.muonclip(0.05, layout=MLA.layout, qk_clip_threshold=1.0, matrix_axes=AXES)
+  step = jax.jit(training.make_train_step(make_loss_fn(three), opt))
+  params = init_params(three)
+  with pytest.raises(ValueError, match=r"make_train_step: the optimizer state does not fit the params: "
+                     r"opt_state.*\['layers'\].* has shape \(1, 8\), optimizer.init\(params\) gives \(3, 8\)"):
+    step(params, opt.init(init_params(one)), batches(1)[0])
+  with pytest.raises(ValueError, match="does not have the structure optimizer.init"):
+    step(params, optax.adamw(1e-3).init(params), batches(1)[0])
+  mc.check_opt_state(opt.init(params), optimizer=opt, params=params)  # the right state passes
+
+
+def test_an_invalid_traced_tau_is_flagged_in_the_state_and_the_metrics():
+  """A schedule or an injected tau that becomes 0, negative or NaN clips nothing under jit (it
+  cannot raise there): the state's threshold is NaN and the metrics say qk_clip_threshold_valid=False."""
+  loss_fn, params, batch = make_loss_fn(MLA), init_params(MLA), batches(1)[0]
+  taus = jnp.array([1.0, 0.0, -1.0, jnp.nan])
+  schedule = lambda count: taus[jnp.minimum(count, 3)]
+  injected = optax.inject_hyperparams(mc.muonclip)(learning_rate=0.05, layout=MLA.layout, qk_clip_threshold=1.0,
+                                                    matrix_axes=AXES)
+  for opt in (mc.muonclip(0.05, layout=MLA.layout, qk_clip_threshold=schedule, matrix_axes=AXES), injected):
+    step = jax.jit(training.make_train_step(loss_fn, opt))
+    p, state = params, opt.init(params)
+    for t in range(4):
+      if opt is injected:
+        state.hyperparams["qk_clip_threshold"] = taus[t]
+      p, state, m = step(p, state, batch)
+      (clip_state,) = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, mc.QKClipState))
+                       if isinstance(x, mc.QKClipState)]
+      assert bool(m["qk_clip_threshold_valid"]) == (t == 0)
+      assert int(m["num_above_threshold"]) > 0 if t == 0 else int(m["num_above_threshold"]) == 0
+      if t:
+        assert np.isnan(float(m["qk_clip_threshold"])) and np.isnan(float(clip_state.threshold))
+        assert int(m["num_clipped"]) == 0 and float(m["min_gamma"]) == 1.0
+      else:
+        assert float(clip_state.threshold) == 1.0 and int(m["num_clipped"]) > 0
+    assert training.metrics_to_floats(m)["qk_clip_threshold_valid"] == 0.0

@@ -1,0 +1,77 @@
+"""The exact clip: QK-Clip repeated on the updated weights' own maxima until every layer holds.
+
+Kimi K2 (arXiv 2507.20534, Algorithm 1) clips with the maxima of the step's forward pass,
+which saw the weights before the update; ``make_train_step(exact_clip=True)`` measures
+the updated weights on the same batch and clips again, layer by layer (see
+``exact_qk_clip``), and reports the product of the factors each head received.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ._qk_clip import clip_decisions, nest_max_logits, qk_clip
+
+
+def exact_qk_clip(params: Any, measure: Callable[[Any], dict[str, jax.Array]], *, threshold: Any,
+                  layout: Any, rtol: float = 1e-4) -> tuple[Any, jax.Array]:
+  """QK-Clip until the params' own maxima are at most tau (1 + rtol), for any depth.
+
+  Clipping attention layer l changes the input of the layers after it, so one clip with the
+  maxima of one forward pass bounds only the first layer. This repeats: measure the maxima
+  of ``params`` (``measure(params) -> {module: (*stack, H)}``, a gradient-free forward pass
+  on the step's batch), and clip every head above ``tau (1 + rtol)`` to tau, until no head
+  is above it, or at most ``L`` times, ``L`` the number of attention layers (rows of the
+  maxima: modules times stacked layers). After clip ``k`` the first ``k`` attention layers
+  (in the order of the forward pass) are at most tau and are never touched again, so the
+  inputs of layer ``k + 1`` are fixed: ``L`` clips bound every layer. This holds when each
+  attention layer's logits depend only on its own and earlier layers' query/key weights;
+  an attention module whose weights are applied more than once in the forward pass
+  (weight sharing across depth) is not covered by the bound.
+
+  Inside jit, no host sync (``lax.while_loop``). Returns ``(params, passes)``: ``passes``
+  (int32, 1 to L) is the number of forward passes taken; the last clip needs no forward
+  pass after it (it is the L-th clip, or clips nothing). ``make_train_step(exact_clip=True)``
+  also reports the product of the factors each head received over the passes.
+  """
+  return exact_clip_with_factors(params, measure, threshold=threshold, layout=layout, rtol=rtol)[:2]
+
+
+def exact_clip_with_factors(params: Any, measure: Callable[[Any], dict[str, jax.Array]], *, threshold: Any,
+                            layout: Any, rtol: float) -> tuple[Any, jax.Array, dict, dict]:
+  """``exact_qk_clip``, plus per head whether it was scaled and the product of its factors."""
+  maxima = measure(params)
+  num_layers = sum(math.prod(s.shape[:-1]) for s in maxima.values())
+  limit = jnp.asarray(threshold, jnp.float32) * (1 + rtol)
+
+  def over(maxima):  # heads within the tolerance keep their weights
+    return {m: jnp.where(s > limit, s, -jnp.inf) for m, s in maxima.items()}
+
+  def clip(params, maxima, scaled, total):
+    above = over(maxima)
+    params = qk_clip(params, nest_max_logits(above), threshold=threshold, layout=layout)
+    for m, s in above.items():
+      hit, gamma = clip_decisions(s, threshold)
+      scaled, total = {**scaled, m: scaled[m] | hit}, {**total, m: total[m] * gamma}
+    return params, scaled, total
+
+  def cond(carry):
+    _, maxima, passes, _, _ = carry
+    return (passes < num_layers) & jnp.any(jnp.stack([jnp.any(s > limit) for s in maxima.values()]))
+
+  def body(carry):
+    params, maxima, passes, scaled, total = carry
+    params, scaled, total = clip(params, maxima, scaled, total)
+    return params, measure(params), passes + 1, scaled, total
+
+  scaled = {m: jnp.zeros(s.shape, bool) for m, s in maxima.items()}
+  total = {m: jnp.ones(s.shape, jnp.float32) for m, s in maxima.items()}
+  params, maxima, passes, scaled, total = jax.lax.while_loop(
+      cond, body, (params, maxima, jnp.ones((), jnp.int32), scaled, total))
+  params, scaled, total = clip(params, maxima, scaled, total)
+  return params, passes, scaled, total
