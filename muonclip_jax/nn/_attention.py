@@ -164,6 +164,25 @@ def _head_max(row_max: jax.Array) -> jax.Array:
   return jax.lax.stop_gradient(jnp.max(row_max, axis=(0, 3)).reshape(hkv * g).astype(jnp.float32))
 
 
+def check_soft_cap(cap, impl: str, where: str) -> None:
+  """ValueError unless ``cap`` is None or a positive Python number, and ``impl`` supports it."""
+  if cap is None:
+    return
+  if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0 or cap == float("inf"):
+    raise ValueError(f"{where}: logits_soft_cap must be None or a positive finite Python number (static), got {cap!r}")
+  if impl != "dense":
+    raise ValueError(f"{where}: logits_soft_cap is supported only with impl='dense' so far, got impl={impl!r}: "
+                     "the other kernels' online softmax keeps no pre-cap maximum yet")
+
+
+def soft_cap(s: jax.Array, cap: float | None) -> jax.Array:
+  """``cap * tanh(s / cap)`` (Gemma 2's logit soft-capping), keeping ``-inf`` (masked) as ``-inf``."""
+  if cap is None:
+    return s
+  c = jnp.float32(cap)
+  return jnp.where(jnp.isneginf(s), s, c * jnp.tanh(s / c))
+
+
 def _group(q: jax.Array, hkv: int) -> jax.Array:
   b, t, h, d = q.shape
   return q.reshape(b, t, hkv, h // hkv, d)
@@ -182,6 +201,7 @@ def dense_attention(
     q_mask: jax.Array | None = None,
     kv_mask: jax.Array | None = None,
     return_max_logits: bool = False,
+    logits_soft_cap: float | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Reference attention over the materialized logit matrix.
 
@@ -201,11 +221,16 @@ def dense_attention(
     q_mask: optional ``(B, Tq)`` bool, False for padded queries (their rows are masked).
     kv_mask: optional ``(B, Tk)`` bool, False for padded keys.
     return_max_logits: static; also return the per-head maxima (else ``None``).
+    logits_soft_cap: static None or positive number ``cap``: the softmax reads
+      ``cap * tanh(s / cap)`` (Gemma 2). ``max_logits`` is still the maximum of ``s``
+      before the cap: the cap hides the growth of ``q . k`` but does not stop it, and a
+      maximum taken after it would never exceed ``cap``, so QK-Clip could not see it.
 
   Returns:
     ``(out, max_logits)``: ``out`` of shape ``(B, Tq, H, Dv)``; ``max_logits`` float32
     ``(H,)`` under ``stop_gradient`` or ``None``.
   """
+  check_soft_cap(logits_soft_cap, "dense", "dense_attention")
   q_side, k_side = _check_and_prepare(
       q, k, v, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       q_mask=q_mask, kv_mask=kv_mask, name="dense_attention",
@@ -220,12 +245,15 @@ def dense_attention(
     # Materialize the row maxima once, so that XLA does not fuse a second full
     # reduction over the logits into the capture (it would read Tq x Tk again).
     row_max = jax.lax.optimization_barrier(row_max)
+  captured = row_max  # before the cap (see logits_soft_cap)
+  if logits_soft_cap is not None:  # tanh is increasing: the capped row maximum is the cap of the maximum
+    s, row_max = soft_cap(s, logits_soft_cap), soft_cap(row_max, logits_soft_cap)
   p = jnp.exp(s - jax.lax.stop_gradient(_safe_shift(row_max))[..., None])
   denom = jnp.sum(p, axis=-1, keepdims=True)
   p = p / jnp.where(denom == 0.0, jnp.float32(1.0), denom)
   out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
   out = out.reshape(b, tq, h, dv).astype(out_dtype)
-  return out, (_head_max(row_max) if return_max_logits else None)
+  return out, (_head_max(captured) if return_max_logits else None)
 
 
 def _flash_forward(cfg: _Static, qg, kb, vb, q_side, kb_side):
@@ -401,6 +429,7 @@ def attention(
     q_mask: jax.Array | None = None,
     kv_mask: jax.Array | None = None,
     return_max_logits: bool = False,
+    logits_soft_cap: float | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Dispatches on ``impl``, the one place that chooses an implementation.
 
@@ -414,14 +443,18 @@ def attention(
     it applies) plus a max-only pass over key blocks of ``block_size``.
 
   See ``dense_attention`` for the arguments and outputs, which all four share.
+  ``logits_soft_cap`` (``cap * tanh(s / cap)`` before the softmax; the maxima stay those of
+  the logits before the cap) is supported by ``"dense"`` only so far: any other ``impl``
+  with a cap raises ValueError.
   """
+  check_soft_cap(logits_soft_cap, impl if impl in ATTENTION_IMPLS else "dense", "attention")
   kwargs = dict(
       softmax_scale=softmax_scale, causal=causal, mask=mask, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids, q_mask=q_mask, kv_mask=kv_mask,
       return_max_logits=return_max_logits,
   )
   if impl == "dense":
-    return dense_attention(q, k, v, **kwargs)
+    return dense_attention(q, k, v, logits_soft_cap=logits_soft_cap, **kwargs)
   if impl == "chunked":
     return chunked_attention(q, k, v, block_size=block_size, **kwargs)
   # Imported here: both modules build on this one's helpers.
