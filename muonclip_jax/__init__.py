@@ -19,7 +19,7 @@ from ._qk_clip import qk_clip_stats as qk_clip_stats
 from ._routing import MatrixAxes as MatrixAxes
 from ._routing import attention_matrix_axes as attention_matrix_axes
 from ._routing import logical_matrix_axes as logical_matrix_axes
-from ._routing import muon_labels as muon_labels
+from ._labels import muon_labels as muon_labels
 from . import sharding as sharding
 from . import training as training
 

@@ -1,8 +1,7 @@
-"""Which parameters Muon updates, and which axes of a parameter form its matrix.
+"""Which axes of a parameter form the matrix that Muon orthogonalizes.
 
-Muon (Keller Jordan 2024; Moonlight, arXiv 2502.16982, section 2) is for the hidden weight
-matrices of a network. Embedding tables, the output head, norm scales, biases and other
-vectors go to AdamW. Decisions depend on paths and shapes only, never on values.
+Which parameters go to Muon at all is ``_labels``. Decisions depend on paths, shapes and
+logical axis names only, never on values.
 """
 
 from __future__ import annotations
@@ -14,19 +13,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
-from flax import nnx
-from flax.core import meta as flax_meta
 
+from ._boxes import is_box as _is_box
+from ._boxes import leaf_shape as _shape
+from ._boxes import logical_names as logical_names
+from ._boxes import names_by_path as names_by_path
 from ._paths import path_str
 
-MUON = "muon"
-ADAM = "adam"
-
-# Path components (lower-cased) that mark an embedding table or an output head.
-_EMBEDDING_WORDS = ("embed", "wte", "wpe")
-_HEAD_NAMES = frozenset({"lm_head", "head", "unembed", "output", "output_head", "logits", "classifier"})
+# Leaf names of vectors (biases, norm scales) and embedding tables: never matrices of an attention layer.
 _VECTOR_LEAF_NAMES = frozenset({"bias", "scale", "embedding"})
 
 
@@ -76,7 +71,6 @@ MatrixAxesSpec = MatrixAxes | Any | Callable[[Any], Any] | None
 
 # Logical axis names (Flax's nn.with_logical_partitioning, NNX sharding metadata).
 LAYERS = "layers"  # a stack of layers (nn.scan with metadata_params={nn.PARTITION_NAME: "layers"})
-VOCAB = "vocab"  # an embedding table or output head: AdamW
 # Names of axes that belong to the heads of an attention projection; they stay together.
 _HEAD_AXIS_NAMES = frozenset({"heads", "q_heads", "kv_heads", "kv", "head_dim", "qk_head_dim", "v_head_dim",
                               "kv_head_dim"})
@@ -102,41 +96,6 @@ def as_matrix_axes(spec: Any, where: str = "matrix_axes") -> MatrixAxes | None:
     as_tuple = lambda a: (a,) if isinstance(a, int) else tuple(a)  # noqa: E731
     return MatrixAxes(as_tuple(spec.reduction_axis), as_tuple(spec.output_axis))
   raise ValueError(f"{where}: expected a MatrixAxes, an optax.contrib.MuonDimensionNumbers or None, got {spec!r}")
-
-
-def _is_box(x: Any) -> bool:
-  """A leaf that carries metadata: Linen ``nn.Partitioned``-style boxes, NNX variables."""
-  return isinstance(x, (flax_meta.AxisMetadata, nnx.Variable))
-
-
-def _shape(x: Any) -> tuple[int, ...]:
-  """The shape of a leaf or of the one array in a box."""
-  leaves = jax.tree.leaves(x) if _is_box(x) else [x]
-  return tuple(jnp.shape(leaves[0])) if len(leaves) == 1 else ()
-
-
-def logical_names(leaf: Any) -> tuple | None:
-  """The logical axis names of a boxed leaf (``nn.Partitioned.names``, NNX ``out_sharding``)."""
-  if isinstance(leaf, flax_meta.Partitioned):
-    return tuple(leaf.names)
-  if isinstance(leaf, nnx.Variable):
-    meta = leaf.get_metadata()
-    for key in ("out_sharding", "sharding_names", "sharding"):
-      names = meta.get(key)
-      if names is not None:
-        return tuple(names)
-  return None
-
-
-def _names_by_path(tree: Any) -> dict[str, tuple]:
-  """``{path: logical names}`` of the boxed leaves of ``tree``."""
-  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]
-  table = {}
-  for p, leaf in flat:
-    names = logical_names(leaf) if _is_box(leaf) else None
-    if names is not None:
-      table[path_str(p)] = names
-  return table
 
 
 def axes_from_names(path: str, shape: tuple[int, ...], names: tuple) -> MatrixAxes:
@@ -172,14 +131,21 @@ def logical_matrix_axes(params: Any) -> Any:
   """A ``matrix_axes`` pytree read from the logical axis names of boxed ``params``.
 
   Each boxed leaf with names (``nn.Partitioned``, NNX variables with ``out_sharding``)
-  becomes ``axes_from_names``'s ``MatrixAxes``; every other leaf None. For optimizers that
-  see bare arrays, e.g. ``nnx.Optimizer``:
-  ``matrix_axes=logical_matrix_axes(nnx.state(model, nnx.Param))``.
+  becomes ``axes_from_names``'s ``MatrixAxes``; every other leaf None, and so does a named
+  leaf with fewer than two axes not named ``"layers"`` (a norm scale or bias, stacked or not:
+  not a matrix; the default routing sends it to AdamW), and a 2-D leaf with an unnamed axis
+  (``(in, out)`` as any 2-D leaf). Short names are padded with None as Flax pads them. ``scale_by_muon`` reads the names itself at ``init`` and reuses them for
+  the bare arrays of ``update`` (``nnx.Optimizer``), so this is needed only where a transform
+  never sees the boxes, e.g. ``matrix_axes=logical_matrix_axes(nnx.state(model, nnx.Param))``.
   """
 
   def axes(p, x):
     names = logical_names(x) if _is_box(x) else None
-    return None if names is None else axes_from_names(path_str(p), _shape(x), names)
+    if names is None or sum(n != LAYERS for n in names) < 2:  # a vector (norm scale, bias), stacked or not
+      return None
+    if len(names) == 2 and None in names:  # a 2-D matrix with a short or partial spec: (in, out)
+      return None
+    return axes_from_names(path_str(p), _shape(x), names)
 
   return jax.tree_util.tree_map_with_path(axes, params, is_leaf=_is_box)
 
@@ -247,7 +213,7 @@ def matrix_axes_lookup(spec: MatrixAxesSpec, tree: Any) -> Callable[[str, tuple[
     table, single = {}, None
     for p, leaf in jax.tree_util.tree_flatten_with_path(spec, is_leaf=_is_spec_leaf)[0]:
       table[path_str(p)] = as_matrix_axes(leaf, f"matrix_axes: leaf at {path_str(p)}")
-  names = _names_by_path(tree)
+  names = names_by_path(tree)
 
   def lookup(path: str, shape: tuple[int, ...]) -> MatrixAxes:
     axes = single if table is None else table.get(path)
@@ -268,41 +234,6 @@ def matrix_dims(axes: MatrixAxes, path: str, shape: tuple[int, ...]) -> tuple[in
   """``(fan_in, fan_out)`` sizes of the matrix of a leaf."""
   _, fi, fo = axes.resolve(path, shape)
   return math.prod(shape[a] for a in fi), math.prod(shape[a] for a in fo)
-
-
-def default_label(path: str, shape: tuple[int, ...], names: tuple | None = None) -> str:
-  """``"muon"`` for a hidden weight matrix, ``"adam"`` for everything else.
-
-  AdamW gets: arrays of rank < 2; leaves named ``bias``, ``scale`` or ``embedding``
-  (Flax's norm scales, stacked or not, and ``nn.Embed`` tables); anything under a path
-  component containing ``embed``, ``wte`` or ``wpe``; output heads (a path component
-  named ``lm_head``, ``head``, ``unembed``, ``output``, ``output_head``, ``logits`` or
-  ``classifier``); and a leaf with a ``"vocab"`` logical axis name (``names``).
-  Everything else of rank >= 2 goes to Muon.
-  """
-  parts = [p.lower() for p in path.split("/") if p]
-  if len(shape) < 2 or (parts and parts[-1] in _VECTOR_LEAF_NAMES):
-    return ADAM
-  if any(w in p for p in parts for w in _EMBEDDING_WORDS) or any(p in _HEAD_NAMES for p in parts):
-    return ADAM
-  if names is not None and VOCAB in names:
-    return ADAM
-  return MUON
-
-
-def muon_labels(params: Any) -> Any:
-  """The default routing: a tree of ``"muon"``/``"adam"`` labels (see ``default_label``).
-
-  Boxed leaves (``nn.Partitioned``, NNX variables) keep their box, with the label inside;
-  their logical axis names take part (a ``"vocab"`` axis goes to AdamW).
-  """
-
-  def label(p, x):
-    if not _is_box(x):
-      return default_label(path_str(p), tuple(x.shape))
-    return jax.tree.map(lambda _: default_label(path_str(p), _shape(x), logical_names(x)), x)
-
-  return jax.tree_util.tree_map_with_path(label, params, is_leaf=_is_box)
 
 
 def attention_matrix_axes(layout: Any, *, value: str = "value", out: str = "out",
