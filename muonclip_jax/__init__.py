@@ -6,6 +6,7 @@ from ._alias import muon as muon
 from ._alias import muon_adamw as muon_adamw
 from ._layouts import GQALayout as GQALayout
 from ._layouts import MLALayout as MLALayout
+from ._projection import Projection as Projection
 from ._muon import ScaleByMuonState as ScaleByMuonState
 from ._muon import scale_by_muon as scale_by_muon
 from ._muonclip import QKClipState as QKClipState
