@@ -97,24 +97,20 @@ def check_clip_bounds(forward, attention_cls, params, intermediates, tau, layout
   np.testing.assert_array_equal(after[untouched], before[untouched])
 
 
-def test_recipe_hf_llama(monkeypatch):
-  import recipe_hf_llama as mod
-  import transformers.models.llama.modeling_flax_llama as hf_llama
-
+def hf_recipe_check(monkeypatch, mod, hf_module, attention_cls, expected_fn, group=1, exact_slices=()):
   cfg = mod.Config()
   module, params = mod.model_and_params(cfg)
   tokens = next(mod.batches(cfg, batch_size=2))
-  fwd = jax.jit(lambda p, t: mod.forward(p, module, t)[0])
-  ours = fwd(params, tokens[:, :-1])
+  ours = jax.jit(lambda p, t: mod.forward(p, module, t)[0])(params, tokens[:, :-1])
   # 1. the one-line patch changes no output
-  monkeypatch.setattr(hf_llama, "dot_product_attention_weights", nn.dot_product_attention_weights)
+  monkeypatch.setattr(hf_module, "dot_product_attention_weights", nn.dot_product_attention_weights)
   positions = jnp.broadcast_to(jnp.arange(cfg.seq_len), tokens[:, :-1].shape)
   theirs = jax.jit(lambda p, t: module.apply({"params": p}, t, jnp.ones_like(t), positions).logits)(
       params, tokens[:, :-1])
   np.testing.assert_allclose(theirs, ours, rtol=1e-6, atol=1e-6)
   # 2. the sown maxima are NumPy's
   store = []
-  monkeypatch.setattr(hf_llama, "dot_product_attention_weights", recording(store))
+  monkeypatch.setattr(hf_module, "dot_product_attention_weights", recording(store))
   (_, intermediates), grads = jax.jit(jax.value_and_grad(lambda p, t: mod.loss_fn(p, module, t), has_aux=True))(
       params, tokens)
   jax.effects_barrier()
@@ -122,29 +118,61 @@ def test_recipe_hf_llama(monkeypatch):
   maxima = sown_by_layer(intermediates, cfg.num_heads)
   assert maxima.shape == (cfg.num_layers, cfg.num_heads) and len(store) == cfg.num_layers
   np.testing.assert_allclose(maxima, np.stack([np_hf_max_logits(*rec) for rec in store]), rtol=2e-5, atol=1e-7)
-  # 3. one muonclip step = muon_adamw + the per-head rule on (in, heads*head_dim) columns
+  # 3. one muonclip step = muon_adamw + the per-head rule on the kernels' storage
   tau = tau_between(maxima)
-  group = cfg.num_heads // cfg.num_kv_heads
   clip, plain = mod.optimizer(cfg, LR, tau), mc.muon_adamw(LR)
   u, _ = jax.jit(clip.update)(grads, clip.init(params), params, max_logits=intermediates)
   v, _ = jax.jit(plain.update)(grads, plain.init(params), params)
   p_clip, p_ref = optax.apply_updates(params, u), optax.apply_updates(params, v)
   fq, fk = clip_factors_np(maxima, tau, group=group)
-  ref, expected = flat(p_ref), {}
-  for i in range(cfg.num_layers):
-    for proj, f in (("q_proj", fq[i]), ("k_proj", fk[i])):
-      name = f"model/layers/{i}/self_attn/{proj}/kernel"
-      expected[name] = scaled(ref[name], f, cfg.head_dim, "columns")
-  check_step(p_clip, p_ref, expected)
+  check_step(p_clip, p_ref, expected_fn(cfg, flat(p_ref), fq, fk), exact_slices(cfg) if exact_slices else ())
   # 4. the clip bounds the recomputed maxima; heads of groups without a clipped head are untouched
   group_max = maxima.reshape(cfg.num_layers, -1, group).max(-1)
   tau = tau_between(group_max)  # some groups keep q and k
   untouched = np.repeat(group_max <= tau, group, axis=-1)
-  check_clip_bounds(lambda p: mod.forward(p, module, tokens[:, :-1])[1], hf_llama.FlaxLlamaAttention, params,
+  check_clip_bounds(lambda p: mod.forward(p, module, tokens[:, :-1])[1], attention_cls, params,
                     intermediates, tau, cfg.layout, cfg.num_heads, untouched)
 
 
-@pytest.mark.parametrize("name", ["recipe_hf_llama"])
+def test_recipe_hf_llama(monkeypatch):
+  import recipe_hf_llama as mod
+  import transformers.models.llama.modeling_flax_llama as hf_llama
+
+  def expected(cfg, ref, fq, fk):  # q_proj/k_proj kernels (in, heads * head_dim): columns
+    out = {}
+    for i in range(cfg.num_layers):
+      for proj, f in (("q_proj", fq[i]), ("k_proj", fk[i])):
+        name = f"model/layers/{i}/self_attn/{proj}/kernel"
+        out[name] = scaled(ref[name], f, cfg.head_dim, "columns")
+    return out
+
+  assert mod.Config().num_kv_heads < mod.Config().num_heads
+  hf_recipe_check(monkeypatch, mod, hf_llama, hf_llama.FlaxLlamaAttention, expected,
+                  group=mod.Config().num_heads // mod.Config().num_kv_heads)
+
+
+def test_recipe_hf_gpt2(monkeypatch):
+  import recipe_hf_gpt2 as mod
+  import transformers.models.gpt2.modeling_flax_gpt2 as hf_gpt2
+
+  def expected(cfg, ref, fq, fk):  # c_attn kernel (3 * dim, dim), torch-style: q rows, k rows, v rows
+    out = {}
+    for i in range(cfg.num_layers):
+      rows = np.concatenate([np.repeat(fq[i], cfg.head_dim), np.repeat(fk[i], cfg.head_dim),
+                             np.ones(cfg.dim)])
+      name = f"transformer/h/{i}/attn/c_attn/"
+      out[name + "kernel"] = np.asarray(ref[name + "kernel"], np.float64) * rows[:, None]
+      out[name + "bias"] = np.asarray(ref[name + "bias"], np.float64) * rows
+    return out
+
+  def value_rows(cfg):
+    return [(f"transformer/h/{i}/attn/c_attn/{leaf}", slice(2 * cfg.dim, 3 * cfg.dim))
+            for i in range(cfg.num_layers) for leaf in ("kernel", "bias")]
+
+  hf_recipe_check(monkeypatch, mod, hf_gpt2, hf_gpt2.FlaxGPT2Attention, expected, exact_slices=value_rows)
+
+
+@pytest.mark.parametrize("name", ["recipe_hf_gpt2"])
 def test_thirdparty_recipe_runs(name, capsys):
   __import__(name).main(["--steps", "1"])
   assert "step   0  loss" in capsys.readouterr().out
