@@ -17,6 +17,7 @@ from ._qk_clip import clip_factors as clip_factors
 from ._qk_clip import init_max_logits as init_max_logits
 from ._qk_clip import qk_clip as qk_clip
 from ._qk_clip import qk_clip_stats as qk_clip_stats
+from ._max_logits import reduce_max_logits as reduce_max_logits
 from ._routing import MatrixAxes as MatrixAxes
 from ._routing import attention_matrix_axes as attention_matrix_axes
 from ._routing import logical_matrix_axes as logical_matrix_axes

@@ -149,6 +149,14 @@ class GQALayout:
     qkv: name of a fused query|key|value projection (``"c_attn"``, ``"qkv_proj"``,
       ``"Wqkv"``), or ``None`` (default) for separate query and key projections.
 
+  With QK-norm (q and k normalized per head after the projection: Gemma 3, Qwen3, OLMo 2,
+  Flax's ``normalize_qk=True`` with norms ``query_ln``/``key_ln``), ``query_norm`` and
+  ``key_norm`` name the norms, and the clip acts on their scales (and biases) instead of
+  the kernels, per head where the scale is per head and per layer (weaker) where it is
+  shared by heads; see ``muonclip_jax._qk_norm`` for the reasoning. ``norm_scale_offset=1.0``
+  for norms computing ``x * (1 + scale)`` (Gemma). A module with an undeclared norm of a
+  usual QK-norm name is a ValueError, never a clip with no effect.
+
   Each of ``query``, ``key`` and ``qkv`` may be a ``muonclip_jax.Projection`` that declares
   the kernel's leaf name and axes (Gemma: ``Projection("q_einsum", leaf="w", axes=("heads",
   "in", "head_dim"))``); ``key`` may then be a fused k|v projection (``parts=("k", "v")``,
@@ -163,6 +171,9 @@ class GQALayout:
   query: str | Projection = "wq"
   key: str | Projection = "wk"
   qkv: str | Projection | None = None
+  query_norm: str | None = None
+  key_norm: str | None = None
+  norm_scale_offset: float = 0.0
 
   def __post_init__(self):
     _check_positive_int("num_heads", self.num_heads)
@@ -178,6 +189,14 @@ class GQALayout:
     _check_name("GQALayout", "key", self.key, parts=(("k",), ("k", "v"), ("v", "k")))
     _check_name("GQALayout", "qkv", self.qkv, optional=True,
                 parts=tuple(p for p in itertools.permutations("qkv", 3)) + (("q", "k"), ("k", "q")))
+    norms = (self.query_norm, self.key_norm)
+    for field, value in zip(("query_norm", "key_norm"), norms):
+      if value is not None and (not isinstance(value, str) or not value or any(not p for p in value.split("/"))):
+        raise ValueError(f"GQALayout: {field} must be None or a norm's sub-module path such as 'q_norm', got {value!r}")
+    if (norms[0] is None) != (norms[1] is None):
+      raise ValueError(f"GQALayout: query_norm and key_norm are declared together (QK-norm), got {norms}")
+    if not isinstance(self.norm_scale_offset, (int, float)) or isinstance(self.norm_scale_offset, bool):
+      raise ValueError(f"GQALayout: norm_scale_offset must be a number (0 or 1), got {self.norm_scale_offset!r}")
     if self.qkv is None and _same(self.query, self.key):
       raise ValueError(
           f"GQALayout: query and key must differ, both are {self.query!r}; for a fused "

@@ -50,6 +50,8 @@ from ._max_logits import nest_max_logits as nest_max_logits
 from ._paths import keystr as _path_str
 from ._paths import strip_value as _strip_value
 from ._projections import detect, missing_projections
+from ._qk_norm import check_undeclared as check_undeclared_norms
+from ._qk_norm import scale_norms
 from ._routing import names_by_path
 
 _Layout = MLALayout | GQALayout
@@ -247,6 +249,7 @@ def qk_clip(params: Any, max_logits: Any, *, threshold: Any, layout: Any,
   by_module = _by_module(flat)
   for module, s in maxima.items():
     _check_not_variables(module, by_module, "qk_clip")
+    _check_not_child(module, by_module, leaves, layout, s)
     lay = _layout_for(module, layout)
     if s.shape[-1] != lay.num_heads:
       raise ValueError(
@@ -257,6 +260,11 @@ def qk_clip(params: Any, max_logits: Any, *, threshold: Any, layout: Any,
     shapes = {name: jnp.shape(leaves[i]) for name, i in index.items()}
     factors = _role_factors(s, tau, lay)
     found = detect(module, lay, shapes, stack=s.shape[:-1], names=_names_under(module, names))
+    if isinstance(lay, GQALayout):
+      check_undeclared_norms(module, lay, shapes, "qk_clip")
+      if lay.query_norm is not None:  # QK-norm: the norms' scales, not the kernels
+        scale_norms(module, lay, index, leaves, _gamma(s, tau)[1])
+        continue
     for proj in found:
       k, b = index[proj.spec.kernel], index.get(proj.spec.bias)
       kernel, bias = proj.scale(leaves[k], None if b is None else leaves[b], factors)
@@ -265,6 +273,27 @@ def qk_clip(params: Any, max_logits: Any, *, threshold: Any, layout: Any,
         leaves[b] = bias
   _check_all_reported(by_module, leaves, layout, maxima)
   return treedef.unflatten(leaves)
+
+
+def _check_not_child(module: str, by_module: Mapping[str, Mapping[str, int]], leaves: list, layout: Any,
+                     s: jax.Array) -> None:
+  """Maxima sown below the attention module (MaxText's ``attention_op``): name the helper."""
+  parent = module.rpartition("/")[0]
+  if not module:
+    return
+  shapes = {n: jnp.shape(leaves[i]) for n, i in by_module.get(parent, {}).items()}
+  own = {n: jnp.shape(leaves[i]) for n, i in by_module.get(module, {}).items()}
+  looks = lambda m, sh, lay: not missing_projections(m, lay, sh, "qk_clip")
+  if any(looks(module, own, lay) for lay in _layouts_of(module, layout)):
+    return
+  if any(looks(parent, shapes, lay) for lay in _layouts_of(parent, layout)):
+    raise ValueError(
+        f"qk_clip: {_join(module, _MAX_LOGITS)} of shape {s.shape} lies below the attention module "
+        f"{parent or '<root>'!r}, which holds the query/key projections. Per-batch maxima written by a "
+        "child module (MaxText's attention_op, (..., batch, heads)) must be reduced over the batch and "
+        "moved to the attention module: pass muonclip_jax.reduce_max_logits(intermediates, "
+        f"child={module.rpartition('/')[2]!r})"
+    )
 
 
 def _check_all_reported(by_module: Mapping[str, Mapping[str, int]], leaves: list, layout: Any,
