@@ -176,3 +176,84 @@ def test_recipe_hf_gpt2(monkeypatch):
 def test_thirdparty_recipe_runs(name, capsys):
   __import__(name).main(["--steps", "1"])
   assert "step   0  loss" in capsys.readouterr().out
+
+
+def np_gemma_max_logits(cfg, attn_params, x, positions, mask):
+  """NumPy forward of one Gemma-style attention layer up to its pre-cap, masked logits; per-head max."""
+  x = np.float64(x)
+  q = np.einsum("btd,ndh->btnh", x, np.float64(attn_params["q_einsum"]["w"]))
+  k = np.einsum("bsd,kdh->bskh", x, np.float64(attn_params["kv_einsum"]["w"][0]))
+  if cfg.qk_norm:
+    def rms(y, scale):
+      return y / np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + 1e-6) * (1 + np.float64(scale))
+    q, k = rms(q, attn_params["_query_norm"]["scale"]), rms(k, attn_params["_key_norm"]["scale"])
+
+  def rope(y):
+    half = y.shape[-1] // 2
+    angle = (np.float64(positions)[..., None] / 10_000.0 ** (2 * np.arange(half) / y.shape[-1]))[..., None, :]
+    a, b = y[..., :half], y[..., half:]
+    return np.concatenate([a * np.cos(angle) - b * np.sin(angle), b * np.cos(angle) + a * np.sin(angle)], axis=-1)
+
+  q, k = rope(q) / np.sqrt(cfg.head_dim), np.repeat(rope(k), cfg.num_heads // cfg.num_kv_heads, axis=2)
+  s = np.einsum("btnh,bsnh->bnts", q, k)
+  return np.where(np.asarray(mask)[:, None], s, -np.inf).max(axis=(0, 2, 3))
+
+
+@pytest.mark.parametrize("variant", ["soft_cap", "qk_norm"])
+def test_recipe_gemma(variant):
+  import recipe_gemma as mod
+
+  cfg = mod.Config(soft_cap=2.0 if variant == "soft_cap" else None, qk_norm=variant == "qk_norm")
+  group = cfg.num_heads // cfg.num_kv_heads
+  model = mod.Gemma(cfg)
+  tokens = next(mod.batches(cfg, batch_size=2))
+  params = model.init(jax.random.key(0), tokens[:, :-1])["params"]
+  # 2. sown maxima = NumPy's pre-cap logits, from each attention layer's recorded inputs
+  @jax.jit
+  def measured(p, t):
+    (_, intermediates), grads = jax.value_and_grad(mod.loss_fn, has_aux=True)(p, model, t)
+    store = {}
+    with replaying_inputs(mod.Attention, store, "record"):
+      model.apply({"params": p}, t[:, :-1])
+    return intermediates, grads, {path[0]: args for path, (args, _) in store.items()}
+
+  intermediates, grads, inputs = measured(params, tokens)
+  maxima = sown_by_layer(intermediates, cfg.num_heads)
+  want = np.stack([np_gemma_max_logits(cfg, params[f"layer_{i}"]["attn"], *inputs[f"layer_{i}"])
+                   for i in range(cfg.num_layers)])
+  np.testing.assert_allclose(maxima, want, rtol=2e-5, atol=1e-6)
+  if cfg.soft_cap is not None:
+    assert (maxima > cfg.soft_cap).any()  # what a capture after the cap could never report
+  # 3. one muonclip step = muon_adamw (same matrices) + the per-head rule on this storage
+  tau = tau_between(maxima)
+  clip = mod.optimizer(cfg, LR, tau)
+  out = mc.Projection("attn_vec_einsum", leaf="w", axes=("in", "in", "out"))
+  plain = mc.muon_adamw(LR, matrix_axes=mc.attention_matrix_axes(cfg.layout, out=out))
+  u, _ = jax.jit(clip.update)(grads, clip.init(params), params, max_logits=intermediates)
+  v, _ = jax.jit(plain.update)(grads, plain.init(params), params)
+  p_clip, p_ref = optax.apply_updates(params, u), optax.apply_updates(params, v)
+  fq, fk = clip_factors_np(maxima, tau, group=group)
+  ref, expected, exact = flat(p_ref), {}, []
+  for i in range(cfg.num_layers):
+    attn = f"layer_{i}/attn"
+    if cfg.qk_norm:  # a scale shared by heads: one factor per layer, sqrt(min gamma), on (1 + scale)
+      c = np.sqrt(np.where(maxima[i] > tau, tau / maxima[i], 1.0).min())
+      for norm in ("_query_norm", "_key_norm"):
+        expected[f"{attn}/{norm}/scale"] = c * (1 + np.float64(ref[f"{attn}/{norm}/scale"])) - 1
+    else:  # q_einsum/w (heads, embed, head_dim); kv_einsum/w (2, kv_heads, embed, head_dim), k then v
+      expected[f"{attn}/q_einsum/w"] = np.float64(ref[f"{attn}/q_einsum/w"]) * fq[i][:, None, None]
+      kv = np.float64(ref[f"{attn}/kv_einsum/w"]).copy()
+      kv[0] *= fk[i][:, None, None]
+      expected[f"{attn}/kv_einsum/w"] = kv
+      exact.append((f"{attn}/kv_einsum/w", 1))  # the value part
+  check_step(p_clip, p_ref, expected, exact)
+  # 4. the clip bounds the recomputed maxima; heads whose q and k were not scaled keep theirs bit for bit
+  if cfg.qk_norm:  # the shared scale shrinks every head of a layer with a clipped head
+    tau = tau_between(maxima.max(-1))
+    untouched = np.repeat((maxima.max(-1) <= tau)[:, None], cfg.num_heads, axis=1)
+  else:
+    group_max = maxima.reshape(cfg.num_layers, -1, group).max(-1)
+    tau = tau_between(group_max)
+    untouched = np.repeat(group_max <= tau, group, axis=-1)
+  forward = lambda p: model.apply({"params": p}, tokens[:, :-1], mutable=["intermediates"])[1]["intermediates"]  # noqa: E731
+  check_clip_bounds(forward, mod.Attention, params, intermediates, tau, cfg.layout, cfg.num_heads, untouched)
