@@ -20,8 +20,15 @@ next to the module's ``query``/``key`` kernels (where ``qk_clip`` looks for it) 
 only computed while it is being captured: Linen ``apply(..., mutable=["intermediates"])``,
 NNX ``nnx.capture(model, nnx.Intermediate)``. No attention weights are recorded.
 
+Soft-capping: ``logits_soft_cap=cap`` (keyword-only; ``functools.partial`` for Flax) feeds
+``cap * tanh(s / cap)`` to the softmax, Gemma 2's cap, with ``impl="dense"`` only (ValueError
+otherwise). The sown maximum is of ``s`` before the cap: the cap hides the growth of
+``q . k`` but does not stop it, and a maximum after it could never exceed ``cap``.
+
 Which module: Linen calls ``attention_fn`` from inside the module's ``__call__``, so the
-function finds the calling module itself; ``attention_fn=`` alone is enough.
+function finds the calling module itself (through Flax's private module stack, see
+``_flax_private``: a Flax release that moves it makes this raise, never sow nothing);
+``attention_fn=`` alone is enough.
 ``nnx.MultiHeadAttention`` hands its module over only when called with
 ``sow_weights=True`` (``module=self``), which with this function sows ``max_logits``
 instead of the attention weights: call NNX attention modules with ``sow_weights=True``.
