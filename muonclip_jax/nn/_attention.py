@@ -46,6 +46,8 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ._soft_cap import check_soft_cap, soft_cap
+
 AttentionImpl = Literal["dense", "chunked", "pallas", "dpa_max"]
 ATTENTION_IMPLS: tuple[str, ...] = ("dense", "chunked", "pallas", "dpa_max")
 
@@ -162,25 +164,6 @@ def _head_max(row_max: jax.Array) -> jax.Array:
   """``(B, Hkv, G, Tq)`` row maxima -> ``(H,)`` float32 per-head maxima, no gradient."""
   _, hkv, g, _ = row_max.shape
   return jax.lax.stop_gradient(jnp.max(row_max, axis=(0, 3)).reshape(hkv * g).astype(jnp.float32))
-
-
-def check_soft_cap(cap, impl: str, where: str) -> None:
-  """ValueError unless ``cap`` is None or a positive Python number, and ``impl`` supports it."""
-  if cap is None:
-    return
-  if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0 or cap == float("inf"):
-    raise ValueError(f"{where}: logits_soft_cap must be None or a positive finite Python number (static), got {cap!r}")
-  if impl != "dense":
-    raise ValueError(f"{where}: logits_soft_cap is supported only with impl='dense' so far, got impl={impl!r}: "
-                     "the other kernels' online softmax keeps no pre-cap maximum yet")
-
-
-def soft_cap(s: jax.Array, cap: float | None) -> jax.Array:
-  """``cap * tanh(s / cap)`` (Gemma 2's logit soft-capping), keeping ``-inf`` (masked) as ``-inf``."""
-  if cap is None:
-    return s
-  c = jnp.float32(cap)
-  return jnp.where(jnp.isneginf(s), s, c * jnp.tanh(s / c))
 
 
 def _group(q: jax.Array, hkv: int) -> jax.Array:

@@ -73,7 +73,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._attention import ATTENTION_IMPLS, attention, check_soft_cap, soft_cap
+from ._attention import ATTENTION_IMPLS, attention
+from ._soft_cap import check_soft_cap, soft_cap
 from ._flax_private import check_module, linen_calling_module
 from ._sow import capturing as _capturing
 from ._sow import sow_head_max as _sow
