@@ -6,6 +6,7 @@ from ._alias import muon as muon
 from ._alias import muon_adamw as muon_adamw
 from ._layouts import GQALayout as GQALayout
 from ._layouts import MLALayout as MLALayout
+from ._projection import Projection as Projection
 from ._muon import ScaleByMuonState as ScaleByMuonState
 from ._muon import scale_by_muon as scale_by_muon
 from ._muonclip import QKClipState as QKClipState
@@ -16,10 +17,11 @@ from ._qk_clip import clip_factors as clip_factors
 from ._qk_clip import init_max_logits as init_max_logits
 from ._qk_clip import qk_clip as qk_clip
 from ._qk_clip import qk_clip_stats as qk_clip_stats
+from ._max_logits import reduce_max_logits as reduce_max_logits
 from ._routing import MatrixAxes as MatrixAxes
 from ._routing import attention_matrix_axes as attention_matrix_axes
 from ._routing import logical_matrix_axes as logical_matrix_axes
-from ._routing import muon_labels as muon_labels
+from ._labels import muon_labels as muon_labels
 from ._state_checks import check_opt_state as check_opt_state
 from . import sharding as sharding
 from . import training as training

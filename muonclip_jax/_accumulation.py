@@ -31,7 +31,9 @@ def merge_max_logits(running: dict[str, jax.Array], new: dict[str, jax.Array]) -
   """
   if set(running) != set(new):
     raise ValueError(
-        f"max_logits modules differ between microbatches: {sorted(running)} vs {sorted(new)}"
+        f"max_logits modules differ between microbatches: {sorted(running)} vs {sorted(new)}; "
+        "maxima written below the attention module (MaxText's attention_op, (..., batch, heads)) "
+        "must be passed as muonclip_jax.reduce_max_logits(intermediates)"
     )
   for module in running:
     if running[module].shape != new[module].shape:
@@ -59,6 +61,8 @@ def multi_steps(
     opt: the optimizer, e.g. ``muonclip(...)``.
     every_k_schedule: microbatches per step (an int or a schedule, as for MultiSteps).
     layout: the attention layout (as for ``muonclip``); it sizes the running maximum.
+      Maxima written below the attention module as ``(..., batch, heads)`` (MaxText) are
+      passed as ``max_logits=muonclip_jax.reduce_max_logits(intermediates)``.
     **multi_steps_kwargs: passed to ``optax.MultiSteps``.
   """
   inner = optax.MultiSteps(opt, every_k_schedule, **multi_steps_kwargs)

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 
 from ._muon import check_number, scale_by_muon
-from ._routing import ADAM, MUON, muon_labels
+from ._labels import ADAM, MUON, muon_labels, remembering_labels
 
 
 def forwards_options_of(inner: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -97,10 +97,13 @@ def muon_adamw(
   """The optimizer for a whole model: Muon on hidden matrices, AdamW on the rest.
 
   Routing (Moonlight, arXiv 2502.16982, section 2.2: embeddings, the output head and
-  vectors use AdamW) is ``labels``: ``None`` for ``muon_labels`` (by path and shape;
-  embedding tables and LM heads never go to Muon, unlike ``optax.contrib.muon``), a pytree
-  of ``"muon"``/``"adam"`` with the structure of the params, or a callable from the params
-  to such a tree. With Moonlight's RMS matching both halves share one learning rate.
+  vectors use AdamW) is ``labels``: ``None`` for ``muon_labels`` (by path, shape and logical
+  names, every rule listed in ``muonclip_jax._labels.default_label``; embedding tables and LM
+  heads never go to Muon, unlike ``optax.contrib.muon``), a pytree of ``"muon"``/``"adam"``
+  with the structure of the params, or a callable from the params to such a tree. A callable
+  is called on the boxed params at ``init`` and its labels reused at ``update`` for the bare
+  arrays of the same paths and shapes, so ``nnx.Optimizer`` (boxed ``nnx.Param`` at ``init``,
+  bare arrays at ``update``) routes every leaf alike in both. With Moonlight's RMS matching both halves share one learning rate.
 
   Args:
     learning_rate: Muon's learning rate, a scalar or schedule.
@@ -155,11 +158,12 @@ def muon_adamw(
           mask=muon_options.get("weight_decay_mask"),
       ),
   }
-  routing = muon_labels if labels is None else labels
-  tx = optax.partition(transforms, routing)
+  if labels is None or callable(labels):  # read once from boxed params (nnx.Optimizer's init), reused at update
+    labels = remembering_labels(muon_labels if labels is None else labels)
+  tx = optax.partition(transforms, labels)
 
   def init_fn(params):
-    _check_adam_eps_dtype(params, routing, adam_eps)
+    _check_adam_eps_dtype(params, labels, adam_eps)
     return tx.init(params)
 
   return optax.GradientTransformationExtraArgs(init_fn, tx.update)

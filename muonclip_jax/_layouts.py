@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import itertools
 from collections.abc import Mapping
 from typing import Any, Literal
+
+from ._projection import Projection, as_projection, check_qk_projection
 
 
 def _check_positive_int(name: str, value: object, *, allow_zero: bool = False) -> None:
@@ -25,16 +28,27 @@ def _check_positive_int(name: str, value: object, *, allow_zero: bool = False) -
     raise ValueError(f"{name} must be an int {bound}, got {value!r}")
 
 
-def _check_name(owner: str, field: str, value: object, *, optional: bool = False) -> None:
-  """A projection name: one non-empty path component (a sub-module name such as ``q_proj``)."""
+def _check_name(owner: str, field: str, value: object, *, optional: bool = False,
+                parts: tuple[tuple[str, ...], ...] = ()) -> None:
+  """A projection: a ``Projection``, or a name that is one non-empty path component."""
   if optional and value is None:
+    return
+  if isinstance(value, Projection):
+    if value.parts is not None and not parts:
+      raise ValueError(f"{owner}: {field}={value} is not a fused projection; leave parts=None")
+    check_qk_projection(owner, field, value, parts)
     return
   if not isinstance(value, str) or not value or "/" in value:
     what = "None or " if optional else ""
     raise ValueError(
         f"{owner}: {field} must be {what}a projection (sub-module) name such as 'q_proj', "
-        f"a non-empty str without '/', got {value!r}"
+        f"a non-empty str without '/', or a muonclip_jax.Projection (whose name may be a "
+        f"path), got {value!r}"
     )
+
+
+def _same(a: object, b: object) -> bool:
+  return a is not None and b is not None and as_projection(a).kernel == as_projection(b).kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +75,10 @@ class MLALayout:
     qk_nope_head_dim: per-head width of the non-rotary query/key part.
     qk_rope_head_dim: per-head width of the rotary query part (and of the shared rotary key).
     v_head_dim: per-head value width.
-    query: name of the query projection under the attention module; ``None`` (default)
-      means ``wq_b``, or ``wq`` in a module without query LoRA.
-    key_value: name of the key/value up-projection (default ``wkv_b``).
+    query: name of the query projection under the attention module, or a
+      ``muonclip_jax.Projection`` declaring its storage; ``None`` (default) means ``wq_b``,
+      or ``wq`` in a module without query LoRA.
+    key_value: name (or ``Projection``) of the key/value up-projection (default ``wkv_b``).
   """
 
   num_heads: int
@@ -71,8 +86,8 @@ class MLALayout:
   qk_rope_head_dim: int
   v_head_dim: int
   _: dataclasses.KW_ONLY
-  query: str | None = None
-  key_value: str = "wkv_b"
+  query: str | Projection | None = None
+  key_value: str | Projection = "wkv_b"
 
   def __post_init__(self):
     _check_positive_int("num_heads", self.num_heads)
@@ -83,7 +98,7 @@ class MLALayout:
       raise ValueError("MLALayout: qk_nope_head_dim + qk_rope_head_dim must be >= 1, got 0")
     _check_name("MLALayout", "query", self.query, optional=True)
     _check_name("MLALayout", "key_value", self.key_value)
-    if self.query == self.key_value:
+    if _same(self.query, self.key_value):
       raise ValueError(f"MLALayout: query and key_value must differ, both are {self.query!r}")
 
   @property
@@ -133,6 +148,19 @@ class GQALayout:
       ``qkv`` is set.
     qkv: name of a fused query|key|value projection (``"c_attn"``, ``"qkv_proj"``,
       ``"Wqkv"``), or ``None`` (default) for separate query and key projections.
+
+  With QK-norm (q and k normalized per head after the projection: Gemma 3, Qwen3, OLMo 2,
+  Flax's ``normalize_qk=True`` with norms ``query_ln``/``key_ln``), ``query_norm`` and
+  ``key_norm`` name the norms, and the clip acts on their scales (and biases) instead of
+  the kernels, per head where the scale is per head and per layer (weaker) where it is
+  shared by heads; see ``muonclip_jax._qk_norm`` for the reasoning. ``norm_scale_offset=1.0``
+  for norms computing ``x * (1 + scale)`` (Gemma). A module with an undeclared norm of a
+  usual QK-norm name is a ValueError, never a clip with no effect.
+
+  Each of ``query``, ``key`` and ``qkv`` may be a ``muonclip_jax.Projection`` that declares
+  the kernel's leaf name and axes (Gemma: ``Projection("q_einsum", leaf="w", axes=("heads",
+  "in", "head_dim"))``); ``key`` may then be a fused k|v projection (``parts=("k", "v")``,
+  Gemma's ``kv_einsum``) whose value part is never touched.
   """
 
   num_heads: int
@@ -140,9 +168,12 @@ class GQALayout:
   head_dim: int
   clip_mode: Literal["split", "query"] = "split"
   _: dataclasses.KW_ONLY
-  query: str = "wq"
-  key: str = "wk"
-  qkv: str | None = None
+  query: str | Projection = "wq"
+  key: str | Projection = "wk"
+  qkv: str | Projection | None = None
+  query_norm: str | None = None
+  key_norm: str | None = None
+  norm_scale_offset: float = 0.0
 
   def __post_init__(self):
     _check_positive_int("num_heads", self.num_heads)
@@ -154,10 +185,19 @@ class GQALayout:
       )
     if self.clip_mode not in ("split", "query"):
       raise ValueError(f"GQALayout: clip_mode must be 'split' or 'query', got {self.clip_mode!r}")
-    _check_name("GQALayout", "query", self.query)
-    _check_name("GQALayout", "key", self.key)
-    _check_name("GQALayout", "qkv", self.qkv, optional=True)
-    if self.qkv is None and self.query == self.key:
+    _check_name("GQALayout", "query", self.query, parts=(("q",),))
+    _check_name("GQALayout", "key", self.key, parts=(("k",), ("k", "v"), ("v", "k")))
+    _check_name("GQALayout", "qkv", self.qkv, optional=True,
+                parts=tuple(p for p in itertools.permutations("qkv", 3)) + (("q", "k"), ("k", "q")))
+    norms = (self.query_norm, self.key_norm)
+    for field, value in zip(("query_norm", "key_norm"), norms):
+      if value is not None and (not isinstance(value, str) or not value or any(not p for p in value.split("/"))):
+        raise ValueError(f"GQALayout: {field} must be None or a norm's sub-module path such as 'q_norm', got {value!r}")
+    if (norms[0] is None) != (norms[1] is None):
+      raise ValueError(f"GQALayout: query_norm and key_norm are declared together (QK-norm), got {norms}")
+    if not isinstance(self.norm_scale_offset, (int, float)) or isinstance(self.norm_scale_offset, bool):
+      raise ValueError(f"GQALayout: norm_scale_offset must be a number (0 or 1), got {self.norm_scale_offset!r}")
+    if self.qkv is None and _same(self.query, self.key):
       raise ValueError(
           f"GQALayout: query and key must differ, both are {self.query!r}; for a fused "
           "query|key|value projection set qkv=<its name>"

@@ -104,3 +104,44 @@ def nest_max_logits(flat: Mapping[str, jax.Array]) -> dict:
       node = node.setdefault(part, {})
     node[MAX_LOGITS] = value
   return tree
+
+
+def reduce_max_logits(max_logits: Any, *, child: str = "attention_op", batch_axis: int = -2) -> dict:
+  """Per-batch maxima sown one level below the attention module -> ``qk_clip``'s tree.
+
+  MaxText's attention writes ``max_logits`` of shape ``(batch, heads)`` (under ``nn.scan``:
+  ``(layers, batch, heads)``) in its child ``attention_op``, one level below the module that
+  holds the query/key projections. ``qk_clip``, ``muonclip``/``qk_clip_transform`` and
+  ``multi_steps`` read maxima ``(*stack, heads)`` at the attention module's own path, so
+  pass them ``reduce_max_logits(intermediates)``: every ``max_logits`` leaf under a module
+  named ``child`` becomes the maximum over its ``batch_axis``, moved up to the parent
+  module's path; every other leaf is kept. The batch axis is reduced, never read as layers
+  (``qk_clip`` refuses maxima under ``child`` and names this helper). Pure, jit-friendly.
+
+  Args:
+    max_logits: an ``intermediates``-like tree, as for ``qk_clip``.
+    child: the name of the sub-module that writes the per-batch maxima.
+    batch_axis: the batch axis of those leaves (default ``-2``: ``(..., batch, heads)``).
+
+  Returns:
+    A nested ``{..: {"max_logits": (*stack, heads) float32}}`` tree.
+
+  Example::
+
+    y, state = model.apply(variables, tokens, mutable=["intermediates"])
+    updates, opt_state = opt.update(grads, opt_state, params,
+                                    max_logits=mc.reduce_max_logits(state))
+  """
+  flat = collect_max_logits(max_logits, "reduce_max_logits")
+  out: dict[str, jax.Array] = {}
+  for module, s in flat.items():
+    parent, _, last = module.rpartition("/")
+    if last == child:
+      if s.ndim < 2 or not -s.ndim <= batch_axis < s.ndim or batch_axis % s.ndim == s.ndim - 1:
+        raise ValueError(f"reduce_max_logits: {_join(module, MAX_LOGITS)} has shape {s.shape}; expected "
+                         f"(..., batch, heads) with the batch at axis {batch_axis}")
+      s, module = jnp.max(s, axis=batch_axis), parent
+    if module in out:
+      raise ValueError(f"reduce_max_logits: two max_logits leaves for module {module!r}")
+    out[module] = s
+  return nest_max_logits(out)

@@ -24,6 +24,7 @@ import numpy as np
 import optax
 
 from . import _newton_schulz
+from ._boxes import MetadataMemo
 from ._routing import MatrixAxesSpec, matrix_axes_lookup, matrix_dims, path_str
 from ._distributed_ns import check_target, orthogonalize_leaves_sharded
 
@@ -238,7 +239,9 @@ def scale_by_muon(
       leaves) matched by path, or a callable from the params to such a pytree
       (``attention_matrix_axes(layout)``). A leaf it leaves at ``None`` is read from its
       logical axis names when boxed, is ``(in, out)`` when 2-D, and else raises ValueError
-      naming its path and shape (see ``matrix_axes_lookup``).
+      naming its path and shape (see ``matrix_axes_lookup``). What ``init`` reads from boxed
+      params is reused by ``update`` for bare arrays of the same paths and shapes, so under
+      ``nnx.Optimizer`` (boxed ``nnx.Param`` at init, bare arrays at update) names still decide.
 
     shard_orthogonalization: static. ``None`` (default): each matrix is orthogonalized in
       its parameter's layout, as XLA partitions it (on a mesh every device repeats much of
@@ -279,16 +282,24 @@ def scale_by_muon(
   ns_kwargs = dict(steps=ns_steps, coeffs=ns_coeffs, eps=eps, compute_dtype=compute_dtype, method=ns_method,
                    normalize=ns_normalize, restarts=ns_restarts)
 
+  memo = MetadataMemo()  # axes read from boxed params at init, for the bare arrays of update (nnx.Optimizer)
+
   def init_fn(params):
     lookup = matrix_axes_lookup(matrix_axes, params)
     # Resolve every leaf now, so that an ambiguous tensor fails at init with its path.
-    jax.tree_util.tree_map_with_path(lambda p, x: matrix_dims(lookup(path_str(p), x.shape), path_str(p), x.shape), params)
+    table = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+      p = path_str(path)
+      table[p] = lookup(p, x.shape)
+      matrix_dims(table[p], p, x.shape)
+    memo.remember(params, table)
     mu = optax.tree.zeros_like(params, dtype=mu_dtype)
     return ScaleByMuonState(mu=mu)
 
   def update_fn(updates, state, params=None):
     del params
-    lookup = matrix_axes_lookup(matrix_axes, updates)
+    table = memo.recall(updates)
+    lookup = matrix_axes_lookup(matrix_axes, updates) if table is None else (lambda p, _: table[p])
     mu = jax.tree.map(lambda m, g: (beta * m + g).astype(m.dtype), state.mu, updates)
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     flat_mu = treedef.flatten_up_to(mu)

@@ -19,6 +19,7 @@ import optax
 from ._alias import forwards_options_of, muon_adamw
 from ._muon import check_number
 from ._qk_clip import _check_layout, qk_clip, qk_clip_stats, threshold_or_nan
+from ._routing import names_by_path
 
 _MISSING_MAX_LOGITS = (
     "{name}: max_logits is missing, but the clip threshold is {tau!r}; pass "
@@ -92,6 +93,11 @@ def qk_clip_transform(threshold: Any, *, layout: Any) -> optax.GradientTransform
       clips nothing and is flagged, see above). ``None`` or ``inf`` turns the clip off, and
       then ``max_logits`` is not needed. May be traced (``optax.inject_hyperparams``).
     layout: an ``MLALayout``/``GQALayout`` or a mapping from path patterns to them.
+      Projections without declared axes are read from the kernels' logical axis names;
+      names seen by ``init`` are kept for updates that get bare arrays (``nnx.Optimizer``).
+
+  ``max_logits`` written below the attention module as ``(..., batch, heads)`` (MaxText's
+  ``attention_op``) are passed as ``muonclip_jax.reduce_max_logits(intermediates)``.
   """
   _check_layout(layout)
   if threshold is not None and not isinstance(threshold, jax.core.Tracer) and not callable(threshold):
@@ -103,8 +109,12 @@ def qk_clip_transform(threshold: Any, *, layout: Any) -> optax.GradientTransform
       return jnp.inf
     return threshold(count) if callable(threshold) else threshold
 
+  # Logical axis names seen at init (nnx.Optimizer hands boxed parameters to init and bare
+  # arrays to update): a layout read from names must be the same at every update.
+  recorded: dict[str, tuple] = {}
+
   def init_fn(params):
-    del params
+    recorded.update(names_by_path(params))
     return _state(0, tau_at(jnp.zeros((), jnp.int32)))
 
   def update_fn(updates, state, params=None, *, max_logits=None, **extra_args):
@@ -118,7 +128,8 @@ def qk_clip_transform(threshold: Any, *, layout: Any) -> optax.GradientTransform
       raise ValueError(_MISSING_MAX_LOGITS.format(name="qk_clip_transform", tau=threshold))
     tau = jnp.asarray(tau_at(state.count), jnp.float32)
     stepped = optax.apply_updates(params, updates)
-    clipped = qk_clip(stepped, max_logits, threshold=tau, layout=layout)
+    names = names_by_path(stepped) or recorded
+    clipped = qk_clip(stepped, max_logits, threshold=tau, layout=layout, names=names)
 
     def adjust(u, p, s, c):
       if c is s:  # a leaf qk_clip did not touch

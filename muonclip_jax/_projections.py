@@ -35,11 +35,14 @@ import jax
 import jax.numpy as jnp
 
 from ._layouts import GQALayout, MLALayout
+from ._projection import Projection as Spec
+from ._projection import as_projection, axes_from_logical, declared_factor, declared_stack, kernel_factor
 
 Shape = tuple[int, ...]
 Part = tuple[str | None, int, int]  # (role or None for never-scaled value columns, heads, width)
 
 HEAD_MAJOR = "2-D head-major"
+DECLARED = "declared axes"
 DENSE_GENERAL = "DenseGeneral"
 FUSED_3 = "fused (in, 3, heads, head_dim)"
 
@@ -68,27 +71,33 @@ def _form_label(form: str, parts: Sequence[Part]) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Projection:
-  """One detected projection: its name, parts, kernel form and stacked-layer shape."""
+class Found:
+  """One detected projection: its spec, parts, kernel form and stacked-layer shape."""
 
-  name: str
+  spec: Spec
   parts: tuple[Part, ...]
   form: str
   stack: Shape
   has_bias: bool
 
   @property
+  def name(self) -> str:
+    return self.spec.name
+
+  @property
   def in_size_axis(self) -> int:
-    return len(self.stack)
+    return self.spec.axes.index("in") if self.form == DECLARED else len(self.stack)
 
   def factor(self, factors: Mapping[str, jax.Array]) -> jax.Array | None:
-    """Per-element factor of the bias's shape ``(*stack, *tail)``; None if no role is scaled."""
+    """Per-element factor of the bias's shape; None if no role is scaled."""
     if not any(role in factors for role, _, _ in self.parts):
       return None
     per_head = [
         factors[role] if role in factors else jnp.ones((*self.stack, h, w), jnp.float32)
         for role, h, w in self.parts
     ]
+    if self.form == DECLARED:
+      return declared_factor(self.spec.axes, per_head)
     if self.form == DENSE_GENERAL:
       return per_head[0]
     if self.form == FUSED_3:
@@ -100,8 +109,11 @@ class Projection:
     factor = self.factor(factors)
     if factor is None:
       return kernel, bias
-    kernel = scale(kernel, jnp.expand_dims(factor, len(self.stack)))
-    return kernel, (None if bias is None else scale(bias, factor))
+    if self.form == DECLARED:
+      kf = kernel_factor(self.spec.axes, factor)
+    else:
+      kf = jnp.expand_dims(factor, len(self.stack))
+    return scale(kernel, kf), (None if bias is None else scale(bias, factor))
 
 
 def scale(x: jax.Array, factor: jax.Array) -> jax.Array:
@@ -114,40 +126,43 @@ def scale(x: jax.Array, factor: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- names
 
 
-def _mla_query(module: str, lay: MLALayout, shapes: Mapping[str, Shape], caller: str) -> str:
+def _mla_query(module: str, lay: MLALayout, shapes: Mapping[str, Shape], caller: str) -> Spec:
   if lay.query is not None:
-    return lay.query
+    return as_projection(lay.query)
   if "wq/kernel" in shapes and "wq_b/kernel" in shapes:
     raise ValueError(
         f"{caller}: {module or '<root>'!r} has both wq/kernel and wq_b/kernel; an MLA module "
         "has one query projection (wq_b with query LoRA, wq without); name it with "
         "MLALayout(..., query=...)"
     )
-  return "wq_b" if "wq_b/kernel" in shapes else "wq"
+  return Spec("wq_b" if "wq_b/kernel" in shapes else "wq")
 
 
 def projection_parts(
     module: str, lay: MLALayout | GQALayout, shapes: Mapping[str, Shape], caller: str = "qk_clip"
-) -> dict[str, tuple[Part, ...]]:
-  """{projection name: its parts} that ``lay`` expects under ``module``."""
+) -> dict[Spec, tuple[Part, ...]]:
+  """{projection spec: its parts, in storage order} that ``lay`` expects under ``module``."""
   if isinstance(lay, MLALayout):
     h, nope = lay.num_heads, lay.qk_nope_head_dim
     return {
         _mla_query(module, lay, shapes, caller): (("query", h, nope + lay.qk_rope_head_dim),),
-        lay.key_value: (("key_value", h, nope + lay.v_head_dim),),
+        as_projection(lay.key_value): (("key_value", h, nope + lay.v_head_dim),),
     }
   h, hkv, d = lay.num_heads, lay.num_kv_heads, lay.head_dim
+  part = {"q": ("query", h, d), "k": ("key", hkv, d), "v": (None, hkv, d)}
   if lay.qkv is not None:
-    return {lay.qkv: (("query", h, d), ("key", hkv, d), (None, hkv, d))}
-  return {lay.query: (("query", h, d),), lay.key: (("key", hkv, d),)}
+    spec = as_projection(lay.qkv)
+    return {spec: tuple(part[p] for p in spec.parts or ("q", "k", "v"))}
+  q, k = as_projection(lay.query), as_projection(lay.key)
+  return {q: (part["q"],), k: tuple(part[p] for p in k.parts or ("k",))}
 
 
 def missing_projections(
     module: str, lay: MLALayout | GQALayout, shapes: Mapping[str, Shape], caller: str = "qk_clip"
 ) -> list[str]:
   """Kernel paths (relative to ``module``) that ``lay`` needs and ``shapes`` lacks."""
-  names = projection_parts(module, lay, shapes, caller)
-  return [f"{name}/kernel" for name in names if f"{name}/kernel" not in shapes]
+  specs = projection_parts(module, lay, shapes, caller)
+  return [spec.kernel for spec in specs if spec.kernel not in shapes]
 
 
 # ----------------------------------------------------------------------------- detection
@@ -203,61 +218,88 @@ def detect(
     *,
     stack: Shape | None = None,
     caller: str = "qk_clip",
-) -> list[Projection]:
+    names: Mapping[str, tuple] | None = None,
+) -> list[Found]:
   """The query/key projections of one module with their forms, checked against ``lay``.
 
   Args:
     module: the module path (for messages).
     lay: the module's layout.
-    shapes: ``{"<projection>/<kernel|bias>": shape}`` of the leaves under ``module``.
+    shapes: ``{"<projection>/<leaf>": shape}`` of the leaves under ``module``.
     stack: the stacked-layer shape from ``max_logits``; None to infer it from the kernels.
     caller: the public function named in messages.
+    names: ``{"<projection>/<leaf>": logical axis names}`` of the boxed leaves under
+      ``module``; a projection without declared ``axes`` whose kernel has names that tell
+      (``axes_from_logical``) is read as declared by them.
 
   Raises:
-    ValueError: a missing projection kernel; a kernel that fits no form or two forms; a bias
-      that does not match its kernel; projections that disagree on the stacked-layer shape;
-      an MLA ``wkv_a`` whose rotary width disagrees with ``lay.qk_rope_head_dim``.
+    ValueError: a missing projection kernel; a kernel that fits no form or two forms (or
+      not its declared axes); a bias that does not match its kernel; projections that
+      disagree on the stacked-layer shape; an MLA ``wkv_a`` whose rotary width disagrees
+      with ``lay.qk_rope_head_dim``.
   """
   parts_of = projection_parts(module, lay, shapes, caller)
   missing = missing_projections(module, lay, shapes, caller)
   if missing:
     raise ValueError(
         f"{caller}: module {module or '<root>'!r} has no {_join(module, missing[0])!r} for "
-        f"{type(lay).__name__} (expected projections {list(parts_of)}, named by the layout's "
-        f"fields); parameters under {module or '<root>'!r}: {sorted(shapes)}"
+        f"{type(lay).__name__} (expected projections {[s.name for s in parts_of]}, named by the "
+        f"layout's fields); parameters under {module or '<root>'!r}: {sorted(shapes)}"
     )
-  fits: dict[str, list[tuple[str, Shape]]] = {}
-  for name, parts in parts_of.items():
-    kernel, bias = shapes[f"{name}/kernel"], shapes.get(f"{name}/bias")
+  names = names or {}
+  fits: dict[Spec, list[tuple[str, Shape]]] = {}
+  for spec, parts in list(parts_of.items()):
+    kernel, bias = shapes[spec.kernel], shapes.get(spec.bias)
+    if spec.axes is None and (logical := axes_from_logical(names.get(spec.kernel))) is not None:
+      del parts_of[spec]
+      spec = dataclasses.replace(spec, axes=logical)
+      parts_of[spec] = parts
+    if spec.axes is not None:
+      s = declared_stack(caller, _join(module, spec.kernel), spec.axes, kernel, parts,
+                         _join(module, spec.bias), bias)
+      fits[spec] = [(DECLARED, s)]
+      continue
     kernel_fits = [(f, s) for f in _forms(parts) if (s := _fits(f, parts, kernel, None)) is not None]
     if not kernel_fits:
       raise ValueError(
-          f"{caller}: {_join(module, name + '/kernel')} has shape {kernel}"
+          f"{caller}: {_join(module, spec.kernel)} has shape {kernel}"
           f"{_head_hint(parts, kernel)}; it fits no kernel form of "
-          f"{lay} ({_describe(parts)}): tried {_expected(parts, stack)}"
+          f"{lay} ({_describe(parts)}): tried {_expected(parts, stack)}; a kernel stored "
+          "otherwise (head axis first, torch-style (out, in), a layer axis that is not "
+          "leading) needs its axes declared: muonclip_jax.Projection(name, leaf=..., axes=...)"
       )
     if stack is not None:
       on_stack = [(f, s) for f, s in kernel_fits if s == stack]
       if not on_stack:
         raise ValueError(
-            f"{caller}: {_join(module, name + '/kernel')} has shape {kernel}; expected "
+            f"{caller}: {_join(module, spec.kernel)} has shape {kernel}; expected "
             f"{_expected(parts, stack)} ({_describe(parts)}), whose leading (stacked-layer) "
-            f"shape {stack} is that of {_join(module, 'max_logits')}"
+            f"shape {stack} is that of {_join(module, 'max_logits')}; a kernel whose layer "
+            "axis is not leading needs its axes declared: muonclip_jax.Projection(name, "
+            "axes=...), e.g. axes=('in', 'layers', 'heads', 'head_dim')"
         )
       kernel_fits = on_stack
     both = [(f, s) for f, s in kernel_fits if _fits(f, parts, kernel, bias) is not None]
     if not both:
       form, s = kernel_fits[0]
       raise ValueError(
-          f"{caller}: {_join(module, name + '/bias')} has shape {bias}; expected "
+          f"{caller}: {_join(module, spec.bias)} has shape {bias}; expected "
           f"{(*s, *_tail(form, parts))} for the {_form_label(form, parts)} kernel "
-          f"{_join(module, name + '/kernel')} of shape {kernel} ({_describe(parts)}, {lay})"
+          f"{_join(module, spec.kernel)} of shape {kernel} ({_describe(parts)}, {lay})"
       )
-    fits[name] = both
-  if stack is None:
+    fits[spec] = both
+  if stack is not None:
+    for spec, fl in fits.items():
+      if fl[0][0] == DECLARED and fl[0][1] != stack:
+        raise ValueError(
+            f"{caller}: {_join(module, spec.kernel)} has shape {shapes[spec.kernel]} with declared "
+            f"axes {spec.axes}, i.e. the stacked-layer shape {fl[0][1]}, but "
+            f"{_join(module, 'max_logits')} has the stacked-layer shape {stack}"
+        )
+  else:
     common = set.intersection(*({s for _, s in f} for f in fits.values()))
     if not common:
-      found = {_join(module, n + "/kernel"): sorted({s for _, s in f}) for n, f in fits.items()}
+      found = {_join(module, n.kernel): sorted({s for _, s in f}) for n, f in fits.items()}
       raise ValueError(
           f"{caller}: the projections of {module or '<root>'!r} disagree on their leading "
           f"(stacked-layer) shape: {found} ({lay})"
@@ -265,24 +307,25 @@ def detect(
     if len(common) == 1:
       fits = {n: [(f, s) for f, s in fl if s in common] for n, fl in fits.items()}
   projections = []
-  for name, fl in fits.items():
+  for spec, fl in fits.items():
     if len(fl) > 1:
-      tried = " and ".join(f"{_form_label(f, parts_of[name])} with stacked-layer shape {s}" for f, s in fl)
+      tried = " and ".join(f"{_form_label(f, parts_of[spec])} with stacked-layer shape {s}" for f, s in fl)
       raise ValueError(
-          f"{caller}: {_join(module, name + '/kernel')} has shape {shapes[f'{name}/kernel']}, "
+          f"{caller}: {_join(module, spec.kernel)} has shape {shapes[spec.kernel]}, "
           f"which fits two kernel forms of {lay}: {tried}; the form cannot be told from the "
-          "shapes (a bias, or max_logits with the per-layer head maxima, would tell it)"
+          "shapes (a bias, max_logits with the per-layer head maxima, or "
+          "muonclip_jax.Projection(name, axes=...) would tell it)"
       )
     form, s = fl[0]
-    projections.append(Projection(name, parts_of[name], form, s, f"{name}/bias" in shapes))
+    projections.append(Found(spec, parts_of[spec], form, s, spec.bias in shapes))
   if isinstance(lay, MLALayout):
-    kv = next(p for p in projections if p.name == lay.key_value)
+    kv = next(p for p in projections if p.name == as_projection(lay.key_value).name)
     _check_mla_rope(module, lay, shapes, kv, caller)
   return projections
 
 
 def _check_mla_rope(
-    module: str, lay: MLALayout, shapes: Mapping[str, Shape], kv: Projection, caller: str
+    module: str, lay: MLALayout, shapes: Mapping[str, Shape], kv: Found, caller: str
 ) -> None:
   """The shared rotary key's width, read off ``wkv_a``, must be ``lay.qk_rope_head_dim``.
 
@@ -294,12 +337,12 @@ def _check_mla_rope(
   wkv_a = shapes.get("wkv_a/kernel")
   if wkv_a is None or len(wkv_a) != len(kv.stack) + 2:
     return
-  latent = shapes[f"{kv.name}/kernel"][kv.in_size_axis]
+  latent = shapes[kv.spec.kernel][kv.in_size_axis]
   rope = wkv_a[-1] - latent
   if rope != lay.qk_rope_head_dim:
     raise ValueError(
         f"{caller}: {_join(module, 'wkv_a/kernel')} has shape {wkv_a}, i.e. a latent of "
-        f"{latent} columns (the input size of {_join(module, kv.name + '/kernel')}) and a shared "
+        f"{latent} columns (the input size of {_join(module, kv.spec.kernel)}) and a shared "
         f"rotary key of {rope} columns, but the layout says qk_rope_head_dim="
         f"{lay.qk_rope_head_dim}: {lay}; use module.layout of the attention module"
     )

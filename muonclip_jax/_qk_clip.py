@@ -52,6 +52,9 @@ from ._muon import check_number
 from ._paths import keystr as _path_str
 from ._paths import strip_value as _strip_value
 from ._projections import detect, missing_projections
+from ._qk_norm import check_undeclared as check_undeclared_norms
+from ._qk_norm import scale_norms
+from ._routing import names_by_path
 
 _Layout = MLALayout | GQALayout
 
@@ -95,19 +98,32 @@ def threshold_or_nan(tau: Any) -> jax.Array:
 
 
 def _by_module(flat: list) -> dict[str, dict[str, int]]:
-  """{module path: {"<projection>/<leaf>": index in flat}} for paths ``<module>/<proj>/<leaf>``."""
+  """{module path: {"<projection path>/<leaf>": index in flat}} for every ancestor module.
+
+  A projection's name may be a path (``Projection("attn/q_einsum", leaf="w")``), so each
+  leaf is listed under every ancestor of its parent module, by its path relative to it.
+  """
   by_module: dict[str, dict[str, int]] = {}
   for i, (path, _) in enumerate(flat):
     path = _strip_value(path)
-    if len(path) >= 2:
-      by_module.setdefault(_path_str(path[:-2]), {})[_path_str(path[-2:])] = i
+    for cut in range(len(path) - 1):
+      by_module.setdefault(_path_str(path[:cut]), {})[_path_str(path[cut:])] = i
   return by_module
+
+
+def _names_under(module: str, names: Mapping[str, tuple]) -> dict[str, tuple]:
+  """The logical names of the leaves under ``module``, keyed by their path relative to it."""
+  if not module:
+    return dict(names)
+  prefix = module + "/"
+  return {p[len(prefix):]: n for p, n in names.items() if p.startswith(prefix)}
 
 
 def _check_not_variables(module: str, by_module: Mapping[str, Any], caller: str) -> None:
   """A missing module found under a top-level ``params`` key: the variables dict was passed."""
   nested = f"params/{module}" if module else "params"
-  if module not in by_module and nested in by_module:
+  own = by_module.get(module, {})
+  if nested in by_module and all(k.startswith("params/") for k in own):
     raise ValueError(
         f"{caller}: params has a top-level 'params' key and the attention parameters of "
         f"{module or '<root>'!r} lie under {nested!r}: pass the 'params' "
@@ -184,7 +200,8 @@ def _role_factors(s: jax.Array, tau: jax.Array, lay: _Layout) -> dict[str, jax.A
 # ----------------------------------------------------------------------------- modules
 
 
-def qk_clip(params: Any, max_logits: Any, *, threshold: Any, layout: Any) -> Any:
+def qk_clip(params: Any, max_logits: Any, *, threshold: Any, layout: Any,
+            names: Mapping[str, tuple] | None = None) -> Any:
   """Applies QK-Clip (Kimi K2, arXiv 2507.20534, section 2.1, Algorithm 1) to attention params.
 
   For each attention module with per-head maxima S_max^h (pre-softmax logits times the softmax
@@ -221,7 +238,13 @@ def qk_clip(params: Any, max_logits: Any, *, threshold: Any, layout: Any) -> Any
     layout: one ``MLALayout``/``GQALayout`` for every module, or a mapping from glob patterns
       (``fnmatch``, matched against the module path such as ``"layers/attn"``) to layouts;
       exactly one pattern must match each module. ``module.layout`` of the library's
-      attention modules is the recommended source.
+      attention modules is the recommended source. A projection may be a
+      ``muonclip_jax.Projection`` that declares how its kernel is stored (any axis order,
+      leaf name, layer axes anywhere, fused parts); a kernel that carries logical axis
+      names (boxed ``params``) is read by them (``Projection``'s module docstring).
+    names: ``{leaf path: logical axis names}`` to use when ``params`` are bare arrays
+      (``qk_clip_transform`` records them from the boxed parameters its ``init`` sees);
+      None: read from ``params``' boxes.
 
   Returns:
     ``params`` with the same structure, box types, dtypes and shardings.
@@ -241,11 +264,13 @@ def qk_clip(params: Any, max_logits: Any, *, threshold: Any, layout: Any) -> Any
   if tau is None:
     return params
   maxima = collect_max_logits(max_logits)
+  names = names_by_path(params) if names is None else names
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
   leaves = [leaf for _, leaf in flat]
   by_module = _by_module(flat)
   for module, s in maxima.items():
     _check_not_variables(module, by_module, "qk_clip")
+    _check_not_child(module, by_module, leaves, layout, s)
     lay = _layout_for(module, layout)
     if s.shape[-1] != lay.num_heads:
       raise ValueError(
@@ -255,14 +280,41 @@ def qk_clip(params: Any, max_logits: Any, *, threshold: Any, layout: Any) -> Any
     index = by_module.get(module, {})
     shapes = {name: jnp.shape(leaves[i]) for name, i in index.items()}
     factors = _role_factors(s, tau, lay)
-    for proj in detect(module, lay, shapes, stack=s.shape[:-1]):
-      k, b = index[f"{proj.name}/kernel"], index.get(f"{proj.name}/bias")
+    found = detect(module, lay, shapes, stack=s.shape[:-1], names=_names_under(module, names))
+    if isinstance(lay, GQALayout):
+      check_undeclared_norms(module, lay, shapes, "qk_clip")
+      if lay.query_norm is not None:  # QK-norm: the norms' scales, not the kernels
+        scale_norms(module, lay, index, leaves, _gamma(s, tau)[1])
+        continue
+    for proj in found:
+      k, b = index[proj.spec.kernel], index.get(proj.spec.bias)
       kernel, bias = proj.scale(leaves[k], None if b is None else leaves[b], factors)
       leaves[k] = kernel
       if b is not None:
         leaves[b] = bias
   _check_all_reported(by_module, leaves, layout, maxima)
   return treedef.unflatten(leaves)
+
+
+def _check_not_child(module: str, by_module: Mapping[str, Mapping[str, int]], leaves: list, layout: Any,
+                     s: jax.Array) -> None:
+  """Maxima sown below the attention module (MaxText's ``attention_op``): name the helper."""
+  parent = module.rpartition("/")[0]
+  if not module:
+    return
+  shapes = {n: jnp.shape(leaves[i]) for n, i in by_module.get(parent, {}).items()}
+  own = {n: jnp.shape(leaves[i]) for n, i in by_module.get(module, {}).items()}
+  looks = lambda m, sh, lay: not missing_projections(m, lay, sh, "qk_clip")
+  if any(looks(module, own, lay) for lay in _layouts_of(module, layout)):
+    return
+  if any(looks(parent, shapes, lay) for lay in _layouts_of(parent, layout)):
+    raise ValueError(
+        f"qk_clip: {_join(module, _MAX_LOGITS)} of shape {s.shape} lies below the attention module "
+        f"{parent or '<root>'!r}, which holds the query/key projections. Per-batch maxima written by a "
+        "child module (MaxText's attention_op, (..., batch, heads)) must be reduced over the batch and "
+        "moved to the attention module: pass muonclip_jax.reduce_max_logits(intermediates, "
+        f"child={module.rpartition('/')[2]!r})"
+    )
 
 
 def _check_all_reported(by_module: Mapping[str, Mapping[str, int]], leaves: list, layout: Any,
@@ -362,9 +414,11 @@ def init_max_logits(params: Any, layout: Any) -> dict:
       module: {name: jnp.shape(flat[i][1]) for name, i in index.items()}
       for module, index in _by_module(flat).items()
   }
+  names = names_by_path(params)
   tree: dict[str, jax.Array] = {}
   for module, lay in _attention_modules(by_module, layout, "init_max_logits").items():
-    stack = detect(module, lay, by_module[module], caller="init_max_logits")[0].stack
+    found = detect(module, lay, by_module[module], caller="init_max_logits", names=_names_under(module, names))
+    stack = found[0].stack
     tree[module] = jnp.full((*stack, lay.num_heads), -jnp.inf, jnp.float32)
   if isinstance(params, Mapping) and "params" in params and all(
       m == "params" or m.startswith("params/") for m in tree

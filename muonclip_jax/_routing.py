@@ -1,8 +1,7 @@
-"""Which parameters Muon updates, and which axes of a parameter form its matrix.
+"""Which axes of a parameter form the matrix that Muon orthogonalizes.
 
-Muon (Keller Jordan 2024; Moonlight, arXiv 2502.16982, section 2) is for the hidden weight
-matrices of a network. Embedding tables, the output head, norm scales, biases and other
-vectors go to AdamW. Decisions depend on paths and shapes only, never on values.
+Which parameters go to Muon at all is ``_labels``. Decisions depend on paths, shapes and
+logical axis names only, never on values.
 """
 
 from __future__ import annotations
@@ -14,19 +13,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
-from flax import nnx
-from flax.core import meta as flax_meta
 
+from ._boxes import is_box as _is_box
+from ._boxes import leaf_shape as _shape
+from ._boxes import logical_names as logical_names
+from ._boxes import names_by_path as names_by_path
 from ._paths import path_str
 
-MUON = "muon"
-ADAM = "adam"
-
-# Path components (lower-cased) that mark an embedding table or an output head.
-_EMBEDDING_WORDS = ("embed", "wte", "wpe")
-_HEAD_NAMES = frozenset({"lm_head", "head", "unembed", "output", "output_head", "logits", "classifier"})
+# Leaf names of vectors (biases, norm scales) and embedding tables: never matrices of an attention layer.
 _VECTOR_LEAF_NAMES = frozenset({"bias", "scale", "embedding"})
 
 
@@ -76,7 +71,6 @@ MatrixAxesSpec = MatrixAxes | Any | Callable[[Any], Any] | None
 
 # Logical axis names (Flax's nn.with_logical_partitioning, NNX sharding metadata).
 LAYERS = "layers"  # a stack of layers (nn.scan with metadata_params={nn.PARTITION_NAME: "layers"})
-VOCAB = "vocab"  # an embedding table or output head: AdamW
 # Names of axes that belong to the heads of an attention projection; they stay together.
 _HEAD_AXIS_NAMES = frozenset({"heads", "q_heads", "kv_heads", "kv", "head_dim", "qk_head_dim", "v_head_dim",
                               "kv_head_dim"})
@@ -102,41 +96,6 @@ def as_matrix_axes(spec: Any, where: str = "matrix_axes") -> MatrixAxes | None:
     as_tuple = lambda a: (a,) if isinstance(a, int) else tuple(a)  # noqa: E731
     return MatrixAxes(as_tuple(spec.reduction_axis), as_tuple(spec.output_axis))
   raise ValueError(f"{where}: expected a MatrixAxes, an optax.contrib.MuonDimensionNumbers or None, got {spec!r}")
-
-
-def _is_box(x: Any) -> bool:
-  """A leaf that carries metadata: Linen ``nn.Partitioned``-style boxes, NNX variables."""
-  return isinstance(x, (flax_meta.AxisMetadata, nnx.Variable))
-
-
-def _shape(x: Any) -> tuple[int, ...]:
-  """The shape of a leaf or of the one array in a box."""
-  leaves = jax.tree.leaves(x) if _is_box(x) else [x]
-  return tuple(jnp.shape(leaves[0])) if len(leaves) == 1 else ()
-
-
-def logical_names(leaf: Any) -> tuple | None:
-  """The logical axis names of a boxed leaf (``nn.Partitioned.names``, NNX ``out_sharding``)."""
-  if isinstance(leaf, flax_meta.Partitioned):
-    return tuple(leaf.names)
-  if isinstance(leaf, nnx.Variable):
-    meta = leaf.get_metadata()
-    for key in ("out_sharding", "sharding_names", "sharding"):
-      names = meta.get(key)
-      if names is not None:
-        return tuple(names)
-  return None
-
-
-def _names_by_path(tree: Any) -> dict[str, tuple]:
-  """``{path: logical names}`` of the boxed leaves of ``tree``."""
-  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]
-  table = {}
-  for p, leaf in flat:
-    names = logical_names(leaf) if _is_box(leaf) else None
-    if names is not None:
-      table[path_str(p)] = names
-  return table
 
 
 def axes_from_names(path: str, shape: tuple[int, ...], names: tuple) -> MatrixAxes:
@@ -172,14 +131,21 @@ def logical_matrix_axes(params: Any) -> Any:
   """A ``matrix_axes`` pytree read from the logical axis names of boxed ``params``.
 
   Each boxed leaf with names (``nn.Partitioned``, NNX variables with ``out_sharding``)
-  becomes ``axes_from_names``'s ``MatrixAxes``; every other leaf None. For optimizers that
-  see bare arrays, e.g. ``nnx.Optimizer``:
-  ``matrix_axes=logical_matrix_axes(nnx.state(model, nnx.Param))``.
+  becomes ``axes_from_names``'s ``MatrixAxes``; every other leaf None, and so does a named
+  leaf with fewer than two axes not named ``"layers"`` (a norm scale or bias, stacked or not:
+  not a matrix; the default routing sends it to AdamW), and a 2-D leaf with an unnamed axis
+  (``(in, out)`` as any 2-D leaf). Short names are padded with None as Flax pads them. ``scale_by_muon`` reads the names itself at ``init`` and reuses them for
+  the bare arrays of ``update`` (``nnx.Optimizer``), so this is needed only where a transform
+  never sees the boxes, e.g. ``matrix_axes=logical_matrix_axes(nnx.state(model, nnx.Param))``.
   """
 
   def axes(p, x):
     names = logical_names(x) if _is_box(x) else None
-    return None if names is None else axes_from_names(path_str(p), _shape(x), names)
+    if names is None or sum(n != LAYERS for n in names) < 2:  # a vector (norm scale, bias), stacked or not
+      return None
+    if len(names) == 2 and None in names:  # a 2-D matrix with a short or partial spec: (in, out)
+      return None
+    return axes_from_names(path_str(p), _shape(x), names)
 
   return jax.tree_util.tree_map_with_path(axes, params, is_leaf=_is_box)
 
@@ -247,7 +213,7 @@ def matrix_axes_lookup(spec: MatrixAxesSpec, tree: Any) -> Callable[[str, tuple[
     table, single = {}, None
     for p, leaf in jax.tree_util.tree_flatten_with_path(spec, is_leaf=_is_spec_leaf)[0]:
       table[path_str(p)] = as_matrix_axes(leaf, f"matrix_axes: leaf at {path_str(p)}")
-  names = _names_by_path(tree)
+  names = names_by_path(tree)
 
   def lookup(path: str, shape: tuple[int, ...]) -> MatrixAxes:
     axes = single if table is None else table.get(path)
@@ -270,42 +236,7 @@ def matrix_dims(axes: MatrixAxes, path: str, shape: tuple[int, ...]) -> tuple[in
   return math.prod(shape[a] for a in fi), math.prod(shape[a] for a in fo)
 
 
-def default_label(path: str, shape: tuple[int, ...], names: tuple | None = None) -> str:
-  """``"muon"`` for a hidden weight matrix, ``"adam"`` for everything else.
-
-  AdamW gets: arrays of rank < 2; leaves named ``bias``, ``scale`` or ``embedding``
-  (Flax's norm scales, stacked or not, and ``nn.Embed`` tables); anything under a path
-  component containing ``embed``, ``wte`` or ``wpe``; output heads (a path component
-  named ``lm_head``, ``head``, ``unembed``, ``output``, ``output_head``, ``logits`` or
-  ``classifier``); and a leaf with a ``"vocab"`` logical axis name (``names``).
-  Everything else of rank >= 2 goes to Muon.
-  """
-  parts = [p.lower() for p in path.split("/") if p]
-  if len(shape) < 2 or (parts and parts[-1] in _VECTOR_LEAF_NAMES):
-    return ADAM
-  if any(w in p for p in parts for w in _EMBEDDING_WORDS) or any(p in _HEAD_NAMES for p in parts):
-    return ADAM
-  if names is not None and VOCAB in names:
-    return ADAM
-  return MUON
-
-
-def muon_labels(params: Any) -> Any:
-  """The default routing: a tree of ``"muon"``/``"adam"`` labels (see ``default_label``).
-
-  Boxed leaves (``nn.Partitioned``, NNX variables) keep their box, with the label inside;
-  their logical axis names take part (a ``"vocab"`` axis goes to AdamW).
-  """
-
-  def label(p, x):
-    if not _is_box(x):
-      return default_label(path_str(p), tuple(x.shape))
-    return jax.tree.map(lambda _: default_label(path_str(p), _shape(x), logical_names(x)), x)
-
-  return jax.tree_util.tree_map_with_path(label, params, is_leaf=_is_box)
-
-
-def attention_matrix_axes(layout: Any, *, value: str = "value", out: str = "out",
+def attention_matrix_axes(layout: Any, *, value: Any = "value", out: Any = "out",
                           default: MatrixAxes | None = None) -> Callable[[Any], Any]:
   """``matrix_axes`` for attention kernels of the DenseGeneral form, from their layout.
 
@@ -337,61 +268,89 @@ def attention_matrix_axes(layout: Any, *, value: str = "value", out: str = "out"
 
   Args:
     layout: a ``GQALayout``/``MLALayout``, or a mapping from module-path glob patterns to them.
-    value: name of the value projection (GQA).
-    out: name of the output projection.
+    value: name of the value projection (GQA), or a ``muonclip_jax.Projection``.
+    out: name of the output projection, or a ``Projection`` (an output kernel
+      ``(heads, head_dim, embed)`` declares ``axes=("in", "in", "out")``).
     default: ``MatrixAxes`` for every other leaf of rank 3, or None.
+
+  A projection declared with ``muonclip_jax.Projection(name, leaf=..., axes=...)`` (in the
+  layout or as ``value``/``out``) gets the matrix of its declaration, at any rank:
+  ``"layers"`` axes batched, ``"in"`` axes the fan-in, every other axis the fan-out; a
+  declared kernel whose rank differs from its axes is a ValueError.
   """
   from ._layouts import GQALayout, MLALayout  # noqa: PLC0415 (no import cycle at load time)
+  from ._projection import as_projection  # noqa: PLC0415
 
   layouts = layout if isinstance(layout, Mapping) else {"*": layout}
   for lay in layouts.values():
     if not isinstance(lay, (GQALayout, MLALayout)):
       raise TypeError(f"attention_matrix_axes: expected a GQALayout or MLALayout (or a mapping to them), got {lay!r}")
   in_axes, out_axes = MatrixAxes((-3,), (-2, -1)), MatrixAxes((-3, -2), (-1,))
+  value, out = as_projection(value), as_projection(out)
 
-  def projections(lay) -> dict[str, tuple[tuple[int, ...], MatrixAxes]]:
-    """{projection name: (expected trailing shape, axes)}."""
+  def projections(lay) -> dict[str, tuple[tuple[int, ...] | None, MatrixAxes, Any]]:
+    """{kernel path relative to the module: (expected trailing shape, axes, declared axes)}."""
     if isinstance(lay, GQALayout):
       hd, kv = (lay.num_heads, lay.head_dim), (lay.num_kv_heads, lay.head_dim)
       if lay.qkv is not None:  # fused (in, 3, heads, head_dim): one in x 3*heads*head_dim matrix
-        found = {lay.qkv: ((3, *hd), MatrixAxes((-4,), (-3, -2, -1)))}
+        found = [(lay.qkv, (3, *hd), MatrixAxes((-4,), (-3, -2, -1)))]
       else:
-        found = {lay.query: (hd, in_axes), lay.key: (kv, in_axes)}
-      return found | {value: (kv, in_axes), out: (hd, out_axes)}
-    h = lay.num_heads
-    found = {q: ((h, lay.qk_head_dim), in_axes) for q in ((lay.query,) if lay.query else ("wq_b", "wq"))}
-    found[lay.key_value] = ((h, lay.qk_nope_head_dim + lay.v_head_dim), in_axes)
-    return found | {out: ((h, lay.v_head_dim), out_axes)}
+        found = [(lay.query, hd, in_axes), (lay.key, kv, in_axes)]
+      found += [(value, kv, in_axes), (out, hd, out_axes)]
+    else:
+      h = lay.num_heads
+      found = [(q, (h, lay.qk_head_dim), in_axes) for q in ((lay.query,) if lay.query else ("wq_b", "wq"))]
+      found += [(lay.key_value, (h, lay.qk_nope_head_dim + lay.v_head_dim), in_axes), (out, (h, lay.v_head_dim), out_axes)]
+    table = {}
+    for proj, trailing, axes in found:
+      proj = as_projection(proj)
+      table[proj.kernel] = (trailing, axes, proj.axes) if proj.axes is None else (None, proj.matrix_axes(), proj.axes)
+    return table
 
   # (heads, width) pairs of every projection of every layout: an unmatched leaf ending in one
   # of them is a DenseGeneral kernel under a name this helper was not told.
-  head_shapes = {tuple(t[-2:]) for lay in layouts.values() for t, _ in projections(lay).values()}
+  head_shapes = {tuple(t[-2:]) for lay in layouts.values() for t, _, _ in projections(lay).values() if t}
+
+  def declared(path: str, shape: tuple[int, ...]) -> MatrixAxes | None:
+    matches = []
+    for pattern, lay in layouts.items():
+      for rel, (trailing, axes, decl) in projections(lay).items():
+        if path != rel and not path.endswith("/" + rel):
+          continue
+        module = path[: len(path) - len(rel)].rstrip("/")
+        if fnmatch.fnmatchcase(module, pattern):
+          matches.append((trailing, axes, decl))
+    if len(matches) != 1 and len({(a, d) for _, a, d in matches}) != 1:
+      return None
+    trailing, axes, decl = matches[0]
+    if decl is not None:
+      if len(decl) != len(shape):
+        raise ValueError(f"{path}: attention_matrix_axes: declared axes {decl} do not match the shape {shape}")
+      return axes
+    if len(shape) < 3:
+      return None
+    got = shape[-3:-1] if axes is out_axes else shape[-len(trailing):]
+    return axes if len(shape) > len(trailing) and tuple(got) == trailing else None
 
   def axes_for(path: str, shape: tuple[int, ...], named: bool) -> MatrixAxes | None:
     parts = path.split("/")
-    if len(shape) >= 3 and len(parts) >= 2 and parts[-1] == "kernel":
-      module = "/".join(parts[:-2])
-      matches = [lay for pattern, lay in layouts.items() if fnmatch.fnmatchcase(module, pattern)]
-      proj = projections(matches[0]).get(parts[-2]) if len(matches) == 1 else None
-      if proj is not None:
-        trailing, axes = proj
-        got = shape[-3:-1] if axes is out_axes else shape[-len(trailing):]
-        if len(shape) > len(trailing) and tuple(got) == trailing:
-          return axes
+    found = declared(path, shape)
+    if found is not None:
+      return found
     if len(shape) < 3 or parts[-1].lower() in _VECTOR_LEAF_NAMES:
       return None
     if tuple(shape[-2:]) in head_shapes or tuple(shape[-3:-1]) in head_shapes:
       if named:
         return None
-      names = sorted({n for lay in layouts.values() for n in projections(lay)})
+      names = sorted({n.rsplit("/", 1)[0] for lay in layouts.values() for n in projections(lay)})
       raise ValueError(
           f"{path}: attention_matrix_axes: a parameter of shape {shape} has, last or before its last axis, the "
           f"(heads, head width) of the layout's projections {sorted(head_shapes)}, so it looks like a DenseGeneral "
           "attention kernel, but its "
           f"name matches none of the projections {names}, and a stack-of-matrices default would orthogonalize it "
           "per head or per row instead of as one matrix. If it is the value or output projection, "
-          "pass value=/out= with its name (query/key names are the layout's); otherwise pass matrix_axes for "
-          "it explicitly")
+          "pass value=/out= with its name or a muonclip_jax.Projection declaring its axes (query/key names "
+          "are the layout's); otherwise pass matrix_axes for it explicitly")
     return default if len(shape) == 3 else None
 
   def spec(params: Any) -> Any:

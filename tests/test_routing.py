@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import muonclip_jax as mc
 
@@ -110,7 +111,7 @@ def test_label_tree_and_callable_override():
     ],
 )
 def test_default_label_rules(path, shape, label):
-  from muonclip_jax._routing import default_label
+  from muonclip_jax._labels import default_label
 
   assert default_label(path, shape) == label
 
@@ -127,3 +128,68 @@ def test_boxed_params_are_routed_by_path_without_value_suffix():
   opt = mc.muon_adamw(0.1)
   state = opt.init(nn.unbox(boxed))
   assert np.isfinite(jax.tree.leaves(state)[-1]).all()
+
+
+def _partitioned(names):
+  return nnx.with_partitioning(nnx.initializers.lecun_normal(), names, eager_sharding=False)
+
+
+class _VocabModel(nnx.Module):
+  """An NNX model whose routing needs names, a vocabulary size and Flax-style short sharding specs."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(64, 32, rngs=rngs)
+    self.gen = nnx.LinearGeneral(32, (4, 8), kernel_init=_partitioned((None, "model")), rngs=rngs)  # short spec
+    self.proj = nnx.Linear(32, 32, kernel_init=_partitioned(("embed",)), rngs=rngs)  # short spec, 2-D
+    self.query = nnx.LinearGeneral(32, (4, 8), kernel_init=_partitioned(("embed", "heads", "kv")), use_bias=False,
+                                   rngs=rngs)  # its names say which axes form the matrix
+    self.norm = nnx.RMSNorm(32, scale_init=nnx.with_partitioning(nnx.initializers.ones, ("embed",),
+                                                                 eager_sharding=False), rngs=rngs)
+    self.aux = nnx.Linear(32, 48, kernel_init=_partitioned(("embed", "vocab")), rngs=rngs)  # only its name says
+    self.readout = nnx.Linear(32, 64, rngs=rngs)  # only the embedding's vocabulary size says
+    self.output_layer = nnx.Linear(32, 64, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    x = self.proj(self.gen(x).reshape(x.shape) + self.query(x).reshape(x.shape))
+    x = self.norm(x)
+    return self.readout(x) + self.output_layer(x) + self.aux(x).sum(-1, keepdims=True)
+
+
+def test_nnx_optimizer_init_and_update_route_alike():
+  model = _VocabModel(nnx.Rngs(0))
+  params = nnx.state(model, nnx.Param)
+  labels = nnx.to_pure_dict(mc.muon_labels(params))
+  want = {"embed": {"embedding": "adam"}, "gen": {"kernel": "muon", "bias": "adam"},
+          "proj": {"kernel": "muon", "bias": "adam"}, "query": {"kernel": "muon"}, "norm": {"scale": "adam"},
+          "aux": {"kernel": "adam", "bias": "adam"}, "readout": {"kernel": "adam", "bias": "adam"},
+          "output_layer": {"kernel": "adam", "bias": "adam"}}
+  assert labels == want
+  assert mc.muon_labels(nnx.to_pure_dict(params))["aux"]["kernel"] == "muon"  # bare: no name
+  from muonclip_jax._labels import default_label
+
+  vocab = frozenset({(64, 32)})  # (vocabulary, width) of the embedding
+  assert default_label("readout/kernel", (64, 32), vocab=vocab) == "adam"
+  assert default_label("readout/kernel", (32, 48), vocab=vocab) == "muon"
+  assert default_label("layers_0/mlp/kernel", (32, 64), vocab=vocab) == "muon"  # an MLP as wide as the vocabulary
+  assert default_label("h/1/mlp/c_fc/kernel", (64, 32), vocab=vocab) == "muon"
+  assert default_label("up/kernel", (32, 64), ("embed", "mlp"), vocab=vocab) == "muon"  # names decide
+  for head in ("output_layer", "logits_dense", "unembed", "head"):
+    assert default_label(f"decoder/{head}/kernel", (32, 100)) == "adam"
+  # logical_matrix_axes: 1-D named leaves are not matrices; short specs are padded as Flax pads them
+  axes = mc.logical_matrix_axes({k: v for k, v in params.items() if k != "gen"})
+  assert axes["norm"]["scale"] is None and axes["proj"]["kernel"] is None  # 2-D: (in, out)
+  assert axes["aux"]["kernel"] == mc.MatrixAxes((0,), (1,))
+  with pytest.raises(ValueError, match=r"gen/kernel: cannot tell the matrix .*\(None, 'model', None\)"):
+    mc.logical_matrix_axes(params)
+  gen_axes = {"gen": {"kernel": mc.MatrixAxes((0,), (1, 2))}}  # (None, "model") names no matrix: declared
+  opt = nnx.Optimizer(model, mc.muon_adamw(0.02, matrix_axes=gen_axes), wrt=nnx.Param)
+  tokens = jnp.arange(12).reshape(2, 6) % 64
+  grads = nnx.grad(lambda m: m(tokens).mean())(model)
+  plain = nnx.to_pure_dict(params)
+  opt.update(model, grads)  # init saw nnx.Param boxes, update sees bare arrays
+  # the same step on bare arrays with the labels and matrices written out
+  ref = mc.muon_adamw(0.02, labels=want, matrix_axes=gen_axes | {"query": {"kernel": mc.MatrixAxes((0,), (1, 2))}})
+  u, _ = ref.update(nnx.to_pure_dict(grads), ref.init(plain), plain)
+  chex.assert_trees_all_close(nnx.to_pure_dict(nnx.state(model, nnx.Param)), optax.apply_updates(plain, u),
+                              atol=1e-6)

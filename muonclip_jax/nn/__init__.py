@@ -16,7 +16,11 @@ DeepSeek-V3 / Kimi K2 ``config.json`` dict and ``load_hf_mla_params`` converts i
 attention weights (safetensors, optional extra ``hf``). Logical axis names: "embed",
 "q_lora", "kv_lora", "heads", "kv_heads", "norm". ``dot_product_attention`` is a drop-in
 ``attention_fn`` for Flax's ``nn.MultiHeadDotProductAttention``/``nnx.MultiHeadAttention``
-that sows the same ``max_logits``.
+that sows the same ``max_logits``; ``dot_product_attention_weights`` is the same for
+``flax.linen.dot_product_attention_weights`` (Hugging Face Flax models: a one-line patch), and
+``sow_max_logits(module, logits, mask=..., head_axis=...)`` sows them from logits computed by
+hand. ``attention``/``dot_product_attention`` take ``logits_soft_cap``; the counted logit is
+the one before the cap.
 """
 
 from ._attention import ATTENTION_IMPLS as ATTENTION_IMPLS
@@ -28,6 +32,7 @@ from ._deepseek import mla_from_hf_config as mla_from_hf_config
 from ._deepseek import mla_nnx_from_hf_config as mla_nnx_from_hf_config
 from ._flash_pallas import pallas_attention as pallas_attention
 from ._flax_attention import dot_product_attention as dot_product_attention
+from ._flax_weights import dot_product_attention_weights as dot_product_attention_weights
 from ._gqa import GroupedQueryAttention as GroupedQueryAttention
 from ._max_pass import dpa_max_attention as dpa_max_attention
 from ._mla import MultiHeadLatentAttention as MultiHeadLatentAttention
@@ -38,3 +43,4 @@ from ._rope import apply_rope as apply_rope
 from ._rope import rope_frequencies as rope_frequencies
 from ._rope import softmax_scale as softmax_scale
 from ._rope import yarn_mscale as yarn_mscale
+from ._sow import sow_max_logits as sow_max_logits

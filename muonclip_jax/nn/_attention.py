@@ -46,6 +46,8 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ._soft_cap import check_soft_cap, soft_cap
+
 AttentionImpl = Literal["dense", "chunked", "pallas", "dpa_max"]
 ATTENTION_IMPLS: tuple[str, ...] = ("dense", "chunked", "pallas", "dpa_max")
 
@@ -182,6 +184,7 @@ def dense_attention(
     q_mask: jax.Array | None = None,
     kv_mask: jax.Array | None = None,
     return_max_logits: bool = False,
+    logits_soft_cap: float | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Reference attention over the materialized logit matrix.
 
@@ -201,11 +204,16 @@ def dense_attention(
     q_mask: optional ``(B, Tq)`` bool, False for padded queries (their rows are masked).
     kv_mask: optional ``(B, Tk)`` bool, False for padded keys.
     return_max_logits: static; also return the per-head maxima (else ``None``).
+    logits_soft_cap: static None or positive number ``cap``: the softmax reads
+      ``cap * tanh(s / cap)`` (Gemma 2). ``max_logits`` is still the maximum of ``s``
+      before the cap: the cap hides the growth of ``q . k`` but does not stop it, and a
+      maximum taken after it would never exceed ``cap``, so QK-Clip could not see it.
 
   Returns:
     ``(out, max_logits)``: ``out`` of shape ``(B, Tq, H, Dv)``; ``max_logits`` float32
     ``(H,)`` under ``stop_gradient`` or ``None``.
   """
+  check_soft_cap(logits_soft_cap, "dense", "dense_attention")
   q_side, k_side = _check_and_prepare(
       q, k, v, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       q_mask=q_mask, kv_mask=kv_mask, name="dense_attention",
@@ -220,12 +228,15 @@ def dense_attention(
     # Materialize the row maxima once, so that XLA does not fuse a second full
     # reduction over the logits into the capture (it would read Tq x Tk again).
     row_max = jax.lax.optimization_barrier(row_max)
+  captured = row_max  # before the cap (see logits_soft_cap)
+  if logits_soft_cap is not None:  # tanh is increasing: the capped row maximum is the cap of the maximum
+    s, row_max = soft_cap(s, logits_soft_cap), soft_cap(row_max, logits_soft_cap)
   p = jnp.exp(s - jax.lax.stop_gradient(_safe_shift(row_max))[..., None])
   denom = jnp.sum(p, axis=-1, keepdims=True)
   p = p / jnp.where(denom == 0.0, jnp.float32(1.0), denom)
   out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
   out = out.reshape(b, tq, h, dv).astype(out_dtype)
-  return out, (_head_max(row_max) if return_max_logits else None)
+  return out, (_head_max(captured) if return_max_logits else None)
 
 
 def _flash_forward(cfg: _Static, qg, kb, vb, q_side, kb_side):
@@ -401,6 +412,7 @@ def attention(
     q_mask: jax.Array | None = None,
     kv_mask: jax.Array | None = None,
     return_max_logits: bool = False,
+    logits_soft_cap: float | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Dispatches on ``impl``, the one place that chooses an implementation.
 
@@ -414,14 +426,18 @@ def attention(
     it applies) plus a max-only pass over key blocks of ``block_size``.
 
   See ``dense_attention`` for the arguments and outputs, which all four share.
+  ``logits_soft_cap`` (``cap * tanh(s / cap)`` before the softmax; the maxima stay those of
+  the logits before the cap) is supported by ``"dense"`` only so far: any other ``impl``
+  with a cap raises ValueError.
   """
+  check_soft_cap(logits_soft_cap, impl if impl in ATTENTION_IMPLS else "dense", "attention")
   kwargs = dict(
       softmax_scale=softmax_scale, causal=causal, mask=mask, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids, q_mask=q_mask, kv_mask=kv_mask,
       return_max_logits=return_max_logits,
   )
   if impl == "dense":
-    return dense_attention(q, k, v, **kwargs)
+    return dense_attention(q, k, v, logits_soft_cap=logits_soft_cap, **kwargs)
   if impl == "chunked":
     return chunked_attention(q, k, v, block_size=block_size, **kwargs)
   # Imported here: both modules build on this one's helpers.

@@ -20,8 +20,15 @@ next to the module's ``query``/``key`` kernels (where ``qk_clip`` looks for it) 
 only computed while it is being captured: Linen ``apply(..., mutable=["intermediates"])``,
 NNX ``nnx.capture(model, nnx.Intermediate)``. No attention weights are recorded.
 
+Soft-capping: ``logits_soft_cap=cap`` (keyword-only; ``functools.partial`` for Flax) feeds
+``cap * tanh(s / cap)`` to the softmax, Gemma 2's cap, with ``impl="dense"`` only (ValueError
+otherwise). The sown maximum is of ``s`` before the cap: the cap hides the growth of
+``q . k`` but does not stop it, and a maximum after it could never exceed ``cap``.
+
 Which module: Linen calls ``attention_fn`` from inside the module's ``__call__``, so the
-function finds the calling module itself; ``attention_fn=`` alone is enough.
+function finds the calling module itself (through Flax's private module stack, see
+``_flax_private``: a Flax release that moves it makes this raise, never sow nothing);
+``attention_fn=`` alone is enough.
 ``nnx.MultiHeadAttention`` hands its module over only when called with
 ``sow_weights=True`` (``module=self``), which with this function sows ``max_logits``
 instead of the attention weights: call NNX attention modules with ``sow_weights=True``.
@@ -63,46 +70,21 @@ import contextlib
 import math
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax import nnx
-from flax.linen import module as _linen_module
 
 from ._attention import ATTENTION_IMPLS, attention
-from ._nnx import capturing_intermediates
+from ._soft_cap import check_soft_cap, soft_cap
+from ._flax_private import check_module, linen_calling_module
+from ._sow import capturing as _capturing
+from ._sow import sow_head_max as _sow
 
 
 def _calling_module(module: Any) -> Any:
-  """``module``, or the Linen module whose method is running, or None.
-
-  Linen keeps the module whose method is being called on top of a thread-local stack
-  (``flax.linen.module._context.module_stack``, the stack every submodule created in a
-  ``compact`` method takes its parent from); outside Linen the top is None.
-  """
+  """``module``, or the Linen module whose method is running (see ``_flax_private``), or None."""
   if module is not None:
-    if not isinstance(module, (nn.Module, nnx.Module)):
-      raise TypeError(f"dot_product_attention: module must be a Flax Linen or NNX module, got {module!r}")
-    return module
-  stack = getattr(getattr(_linen_module, "_context", None), "module_stack", None)
-  return stack[-1] if stack else None
-
-
-def _capturing(module: Any) -> bool:
-  if isinstance(module, nn.Module):
-    return module.is_mutable_collection("intermediates")
-  if isinstance(module, nnx.Module):
-    return capturing_intermediates(module)
-  return False
-
-
-def _sow(module: Any, max_logits: jax.Array) -> None:
-  h = max_logits.shape[0]
-  init = lambda: jnp.full((h,), -jnp.inf, jnp.float32)  # noqa: E731
-  if isinstance(module, nn.Module):
-    module.sow("intermediates", "max_logits", max_logits, init_fn=init, reduce_fn=jnp.maximum)
-  else:
-    module.sow(nnx.Intermediate, "max_logits", max_logits, init_fn=init, reduce_fn=jnp.maximum)
+    return check_module(module, "dot_product_attention")
+  return linen_calling_module()
 
 
 def _precision(precision: Any) -> Any:
@@ -154,7 +136,7 @@ def _key_padding(allowed: jax.Array, mask: Any, b: int, tk: int, *, is_causal: b
   )
 
 
-def _dense_with_weights(q, k, v, *, scale, bias, allowed, dropout, dtype):
+def _dense_with_weights(q, k, v, *, scale, bias, allowed, dropout, dtype, cap):
   """Attention through the materialized weights ``(B, H, Tq, Tk)``: for a bias or dropout.
 
   Returns ``(out (B, Tq, H, Dv), max_logits (H,))``. ``dropout`` is None or
@@ -169,6 +151,8 @@ def _dense_with_weights(q, k, v, *, scale, bias, allowed, dropout, dtype):
     s = s + bias.astype(jnp.float32)
   if allowed is not None:
     s = jnp.where(allowed, s, -jnp.inf)
+  max_logits = jax.lax.stop_gradient(jnp.max(s, axis=(0, 2, 3)))  # before the cap (module doc)
+  s = soft_cap(s, cap)
   row_max = jnp.max(s, axis=-1, keepdims=True)
   p = jnp.exp(s - jax.lax.stop_gradient(jnp.where(jnp.isneginf(row_max), 0.0, row_max)))
   denom = jnp.sum(p, axis=-1, keepdims=True)
@@ -184,7 +168,6 @@ def _dense_with_weights(q, k, v, *, scale, bias, allowed, dropout, dtype):
     multiplier = keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype)
     p = p * multiplier.reshape((-1,) + multiplier.shape[len(batch):])
   out = jnp.einsum("bngqk,bknd->bqngd", p.reshape(b, hkv, g, tq, tk), v, preferred_element_type=jnp.float32)
-  max_logits = jax.lax.stop_gradient(jnp.max(row_max[..., 0], axis=(0, 2)))
   return out.reshape(b, tq, h, dv).astype(dtype), max_logits
 
 
@@ -209,6 +192,7 @@ def dot_product_attention(
     *,
     impl: str = "dense",
     block_size: int = 512,
+    logits_soft_cap: float | None = None,
 ) -> jax.Array:
   """Flax's ``dot_product_attention`` that also sows each head's max logit (see module doc).
 
@@ -235,6 +219,10 @@ def dot_product_attention(
     impl: ``muonclip_jax.nn.attention``'s kernel, one of ``ATTENTION_IMPLS`` (keyword-only,
       never passed by Flax). ``"pallas"`` takes only key padding masks (see module doc).
     block_size: key block of ``impl="chunked"``.
+    logits_soft_cap: None, or a positive float ``cap``: the softmax reads
+      ``cap * tanh(s / cap)`` of the scaled logit plus bias ``s`` (Gemma 2), keyword-only.
+      The sown maximum is of ``s`` before the cap (see ``muonclip_jax.nn.attention``);
+      ``impl="dense"`` only (ValueError otherwise).
 
   Returns:
     ``(*batch, q_length, num_heads, v_head_dim)`` in ``dtype``.
@@ -242,6 +230,7 @@ def dot_product_attention(
   del force_fp32_for_softmax  # the softmax is float32 in every case
   if impl not in ATTENTION_IMPLS:
     raise ValueError(f"dot_product_attention: impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+  check_soft_cap(logits_soft_cap, impl, "dot_product_attention")
   for name, hook in (("einsum_dot_general", einsum_dot_general), ("qk_attn_weights_einsum", qk_attn_weights_einsum),
                      ("attn_weights_value_einsum", attn_weights_value_einsum)):
     if hook is not None:
@@ -287,13 +276,14 @@ def dot_product_attention(
         allowed = tril if allowed is None else allowed & tril
       bias4 = None if bias is None else _to_4d(bias, "bias", batch, full)
       out, max_logits = _dense_with_weights(q4, k4, v4, scale=scale, bias=bias4, allowed=allowed,
-                                            dropout=dropout, dtype=dt)
+                                            dropout=dropout, dtype=dt, cap=logits_soft_cap)
     else:
       pair_mask, kv_mask = allowed, None
       if impl == "pallas" and allowed is not None:
         pair_mask, kv_mask = None, _key_padding(allowed, mask, b, tk, is_causal=bool(is_causal) and not causal)
       out, max_logits = attention(q4, k4, v4, softmax_scale=scale, impl=impl, block_size=block_size,
-                                  causal=causal, mask=pair_mask, kv_mask=kv_mask, return_max_logits=capture)
+                                  causal=causal, mask=pair_mask, kv_mask=kv_mask, return_max_logits=capture,
+                                  logits_soft_cap=logits_soft_cap)
       if allowed is not None:  # Flax: a row with every key masked gets the mean of the values
         rows = allowed if not causal else allowed & jnp.tril(jnp.ones((tq, tk), bool))[None, None]
         some = jnp.any(jnp.broadcast_to(rows, rows.shape[:2] + (tq, tk)), axis=-1)  # (B|1, H|1, Tq)

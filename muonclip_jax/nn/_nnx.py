@@ -38,6 +38,7 @@ from flax import nnx
 
 from .._layouts import GQALayout, MLALayout
 from ._attention import AttentionImpl, attention
+from ._flax_private import nnx_capturing as capturing_intermediates
 from ._gqa import gqa_qkv, validate_gqa
 from ._mla import Initializer, check_input, mask_kwargs, mla_qkv, validate_mla
 from ._rope import YarnScaling
@@ -45,17 +46,6 @@ from ._rope import softmax_scale as _softmax_scale
 
 _default_kernel_init = nnx.initializers.lecun_normal()
 _default_bias_init = nnx.initializers.zeros_init()
-
-
-def capturing_intermediates(module: nnx.Module) -> bool:
-  """Whether ``module`` runs inside ``nnx.capture(..., nnx.Intermediate)``.
-
-  ``nnx.capture`` gives every module a ``__captures__`` tuple of the captured variable
-  types for the duration of the call (flax 0.12, ``flax/nnx/module.py``); ``Module.sow``
-  itself looks it up the same way.
-  """
-  captures = getattr(module, "__captures__", None)
-  return captures is not None and any(type(c) is nnx.Intermediate for c in captures)
 
 
 def _linear(in_features, out_features, names, *, use_bias=False, dtype, param_dtype, kernel_init,

@@ -1,0 +1,109 @@
+"""Recipe 6: MuonClip on Hugging Face's Flax GPT-2 (``transformers<5``), patched in one line.
+
+Hugging Face's Flax attention has no ``attention_fn`` hook: it imports Flax's
+``dot_product_attention_weights`` into its module and calls it without ``module=``. The
+line marked ``# MuonClip (1/4)`` replaces that import by ``muonclip_jax.nn``'s drop-in,
+which returns the same weights and sows each head's max logit on the calling attention
+module (``.../attn/max_logits``). The other marked lines declare how the fused ``c_attn``
+kernel is stored, capture the ``intermediates`` and hand them to the optimizer.
+
+``FlaxConv1D`` stores kernels torch-style, ``(out, in)``: ``c_attn`` is ``(3 * dim, dim)``,
+query rows, then key rows, then value rows, each head-major, and its bias ``(3 * dim,)``.
+``mc.Projection("c_attn", axes=("out", "in"))`` says so; QK-Clip scales the query and key
+rows of a clipped head and never the value rows. For Muon it is one 2-D matrix, as any
+other. The token embedding ``wte`` (tied to the LM head) and ``wpe`` go to AdamW.
+
+  python examples/recipe_hf_gpt2.py [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+import transformers.models.gpt2.modeling_flax_gpt2 as hf_gpt2
+from transformers import GPT2Config
+
+import muonclip_jax as mc
+import muonclip_jax.nn as mcnn
+from _recipe_common import batches, train  # noqa: F401 (recipe.batches: the tests' data)
+
+hf_gpt2.dot_product_attention_weights = mcnn.dot_product_attention_weights  # MuonClip (1/4): the patch
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  vocab: int = 64
+  dim: int = 32
+  num_heads: int = 4
+  num_layers: int = 2
+  seq_len: int = 8
+
+  @property
+  def head_dim(self) -> int:
+    return self.dim // self.num_heads
+
+  @property
+  def hf_config(self) -> GPT2Config:
+    return GPT2Config(vocab_size=self.vocab, n_positions=self.seq_len, n_embd=self.dim, n_layer=self.num_layers,
+                      n_head=self.num_heads)
+
+  @property
+  def layout(self) -> mc.GQALayout:  # MuonClip (2/4): heads, and how the fused c_attn kernel is stored
+    return mc.GQALayout(self.num_heads, self.num_heads, self.head_dim,
+                        qkv=mc.Projection("c_attn", axes=("out", "in")))
+
+
+def model_and_params(cfg: Config, seed: int = 0):
+  model = hf_gpt2.FlaxGPT2LMHeadModel(cfg.hf_config, seed=seed)
+  return model.module, model.params
+
+
+def optimizer(cfg: Config, learning_rate=3e-3, tau=30.0) -> optax.GradientTransformationExtraArgs:
+  return mc.muonclip(learning_rate, layout=cfg.layout, qk_clip_threshold=tau)
+
+
+def forward(params, module, tokens):
+  """Logits and the sown max logits of Hugging Face's Linen module."""
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+  out, state = module.apply({"params": params}, tokens, jnp.ones_like(tokens), positions,
+                            mutable=["intermediates"])  # MuonClip (3/4): capture the max logits
+  return out.logits, state["intermediates"]
+
+
+def loss_fn(params, module, tokens):
+  logits, intermediates = forward(params, module, tokens[:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(), intermediates
+
+
+def make_step(module, opt: optax.GradientTransformationExtraArgs):
+  @jax.jit
+  def step(params, opt_state, tokens):
+    (loss, intermediates), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, module, tokens)
+    updates, opt_state = opt.update(grads, opt_state, params, max_logits=intermediates)  # MuonClip (4/4)
+    return optax.apply_updates(params, updates), opt_state, loss, intermediates
+
+  return step
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--steps", type=int, default=30)
+  args = parser.parse_args(argv)
+  cfg = Config()
+  (module, params), opt = model_and_params(cfg), optimizer(cfg)
+  opt_state, jitted = opt.init(params), make_step(module, opt)
+
+  def step(tokens):
+    nonlocal params, opt_state
+    params, opt_state, loss, intermediates = jitted(params, opt_state, tokens)
+    return loss, intermediates
+
+  train(step, batches(cfg, batch_size=8), args.steps)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,139 @@
+"""QK-Clip with QK-norm: the clip acts on the norms' scales, or refuses; never a clip with no effect.
+
+After the clip, recomputing the forward on the same batch must give every head's maximum
+<= tau (1 + 1e-5); an undeclared QK-norm must be a ValueError at the first update.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pytest
+from flax import nnx
+
+import muonclip_jax as mc
+import muonclip_jax.nn as mnn
+from muonclip_jax import GQALayout, Projection, qk_clip
+
+H, HKV, D, HD, B, T = 4, 2, 16, 8, 2, 8
+
+
+def _rms(x, scale, offset, bias=None):
+  y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * (offset + scale)
+  return y if bias is None else y + bias
+
+
+def _bcast(v):
+  """A norm scale (head_dim,) or (heads, head_dim) against (batch, heads, time, head_dim)."""
+  v = jnp.asarray(v)
+  return v.reshape(1, 1, 1, -1) if v.ndim == 1 else v[None, :, None, :]
+
+
+def _gemma_maxima(p, x, offset):
+  """Per-layer, per-head max of the scaled logits of a Gemma-style attention (head-first einsums)."""
+  out = []
+  for layer in ("layer_0", "layer_1"):
+    a = p[layer]["attn"]
+    q = jnp.einsum("btd,hde->bhte", x, a["q_einsum"]["w"])
+    k = jnp.einsum("btd,hde->bhte", x, a["k_einsum"]["w"])
+    qn, kn = a["_query_norm"], a["_key_norm"]
+    q = _rms(q, _bcast(qn["scale"]), offset, None if "bias" not in qn else _bcast(qn["bias"]))
+    k = _rms(k, _bcast(kn["scale"]), offset, None if "bias" not in kn else _bcast(kn["bias"]))
+    k = jnp.repeat(k, H // k.shape[1], axis=1)
+    s = jnp.einsum("bhqe,bhke->bhqk", q, k) * HD**-0.5
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    out.append(jnp.max(jnp.where(causal, s, -jnp.inf), axis=(0, 2, 3)))
+  return {layer: {"attn": {"max_logits": m}} for layer, m in zip(("layer_0", "layer_1"), out)}
+
+
+def _gemma_params(per_head, hkv, offset, rng):
+  def layer():
+    scale = lambda h: rng.uniform(1.5, 3.0, size=(h, HD) if per_head else (HD,)).astype(np.float32) - offset
+    a = {"q_einsum": {"w": rng.normal(size=(H, D, HD)).astype(np.float32)},
+         "k_einsum": {"w": rng.normal(size=(hkv, D, HD)).astype(np.float32)},
+         "_query_norm": {"scale": scale(H)}, "_key_norm": {"scale": scale(hkv)}}
+    if per_head:
+      a["_query_norm"]["bias"] = rng.normal(size=(H, HD)).astype(np.float32) * 0.1
+      a["_key_norm"]["bias"] = rng.normal(size=(hkv, HD)).astype(np.float32) * 0.1
+    return {"attn": a}
+  return {"layer_0": layer(), "layer_1": layer()}
+
+
+@pytest.mark.parametrize("per_head, hkv, offset", [(False, HKV, 1.0), (True, H, 0.0)])
+def test_clip_acts_on_norm_scales_and_bounds_every_head(per_head, hkv, offset):
+  rng = np.random.default_rng(0)
+  params = _gemma_params(per_head, hkv, offset, rng)
+  x = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
+  ml = _gemma_maxima(params, x, offset)
+  s = np.stack([np.asarray(ml[l]["attn"]["max_logits"]) for l in ml])
+  tau = float(np.median(s))
+  base = dict(query=Projection("q_einsum", leaf="w", axes=("heads", "in", "head_dim")),
+              key=Projection("k_einsum", leaf="w", axes=("heads", "in", "head_dim")))
+  with pytest.raises(ValueError, match=r"layer_0/attn/_query_norm looks like a QK-norm.*query_norm='_query_norm', "
+                                       r"key_norm='_key_norm'"):
+    qk_clip(params, ml, threshold=tau, layout=GQALayout(H, hkv, HD, **base))
+  lay = GQALayout(H, hkv, HD, query_norm="_query_norm", key_norm="_key_norm", norm_scale_offset=offset, **base)
+  clipped = jax.jit(lambda p, m: qk_clip(p, m, threshold=tau, layout=lay))(params, ml)
+  after = np.stack([np.asarray(v["attn"]["max_logits"]) for v in _gemma_maxima(clipped, x, offset).values()])
+  assert np.all(after <= tau * (1 + 1e-5)), (s, after, tau)
+  assert np.any(s > tau) and np.any(after < s)  # the clip did act
+  for layer in params:  # kernels untouched: QK-norm would undo their scaling
+    for proj in ("q_einsum", "k_einsum"):
+      np.testing.assert_array_equal(clipped[layer]["attn"][proj]["w"], params[layer]["attn"][proj]["w"])
+  if per_head:  # MHA with per-head scales: unclipped heads bit for bit
+    np.testing.assert_array_equal(after[s <= tau], s[s <= tau])
+
+
+class _FlaxQKNormLM(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for i in range(2):
+      x = x + nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=H * HD, normalize_qk=True,
+                                              attention_fn=mnn.dot_product_attention, name=f"attn_{i}")(x)
+    return x
+
+
+def test_flax_normalize_qk_is_refused_undeclared_and_clipped_declared():
+  model = _FlaxQKNormLM()
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(B, T, D)) * 4, jnp.float32)
+  params = model.init(jax.random.key(0), x)["params"]
+  params = jax.tree.map(lambda a: a * 3.0, params)  # large norm scales: large logits
+  _, state = model.apply({"params": params}, x, mutable=["intermediates"])
+  lay = GQALayout(H, H, HD, query="query", key="key")
+  opt = mc.muonclip(1e-3, layout=lay, qk_clip_threshold=1.0, matrix_axes=mc.attention_matrix_axes(lay))
+  opt_state = opt.init(params)
+  grads = jax.tree.map(jnp.zeros_like, params)
+  with pytest.raises(ValueError, match=r"attn_0/query_ln looks like a QK-norm.*query_norm='query_ln', key_norm='key_ln'"):
+    opt.update(grads, opt_state, params, max_logits=state)  # the first update
+  s = np.stack([np.asarray(state["intermediates"][f"attn_{i}"]["max_logits"][0]) for i in range(2)])
+  tau = float(np.median(s))
+  normed = GQALayout(H, H, HD, query="query", key="key", query_norm="query_ln", key_norm="key_ln")
+  clipped = qk_clip(params, state, threshold=tau, layout=normed)
+  _, after = model.apply({"params": clipped}, x, mutable=["intermediates"])
+  after = np.stack([np.asarray(after["intermediates"][f"attn_{i}"]["max_logits"][0]) for i in range(2)])
+  assert np.any(s > tau) and np.all(after <= tau * (1 + 1e-5)), (s, after, tau)
+
+
+def test_nnx_normalize_qk_is_refused():
+  mha = nnx.MultiHeadAttention(num_heads=H, in_features=D, qkv_features=H * HD, normalize_qk=True, decode=False,
+                               rngs=nnx.Rngs(0))
+  params = nnx.state(mha, nnx.Param)
+  with pytest.raises(ValueError, match="query_ln looks like a QK-norm"):
+    qk_clip(params, {"max_logits": jnp.full((H,), 9.0)}, threshold=1.0,
+            layout=GQALayout(H, H, HD, query="query", key="key"))
+
+
+def test_norm_declarations_are_checked():
+  with pytest.raises(ValueError, match="declared together"):
+    GQALayout(2, 2, 4, query_norm="q_norm")
+  with pytest.raises(ValueError, match="query_norm must be None or a norm"):
+    GQALayout(2, 2, 4, query_norm="", key_norm="k")
+  params = {"wq": {"kernel": np.ones((4, 8), np.float32)}, "wk": {"kernel": np.ones((4, 8), np.float32)},
+            "q_norm": {"scale": np.ones((3,), np.float32)}, "k_norm": {"scale": np.ones((4,), np.float32)}}
+  with pytest.raises(ValueError, match=r"q_norm/scale has shape \(3,\); a QK-norm scale is expected"):
+    qk_clip(params, {"max_logits": jnp.full((2,), 9.0)}, threshold=1.0,
+            layout=GQALayout(2, 2, 4, query_norm="q_norm", key_norm="k_norm"))
+

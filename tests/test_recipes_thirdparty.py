@@ -1,0 +1,259 @@
+"""Recipes on model code others wrote (examples/recipe_hf_*.py, recipe_gemma.py), two attention layers each.
+
+For each recipe:
+1. the patched model's output equals the unpatched one's;
+2. the sown maxima equal NumPy's scaled, masked (pre-cap) logits of the q and k that reached
+   the attention;
+3. one ``muonclip`` step equals ``muon_adamw`` followed by the per-head rule applied in NumPy
+   to that kernel storage; every other leaf (value and output kernels included) is bit for
+   bit ``muon_adamw``'s;
+4. after ``qk_clip`` with those maxima, the forward recomputed on the same batch, each
+   attention layer fed the inputs it had in the measured pass (``nn.intercept_methods``),
+   gives every clipped head a maximum <= tau (1 + 1e-5) and every head whose q and k
+   columns were untouched its old maximum bit for bit.
+"""
+
+import contextlib
+import os
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import muonclip_jax as mc
+import muonclip_jax.nn as mcnn
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from test_recipes import LR, check_step, clip_factors_np, flat, scaled, sown_by_layer, tau_between  # noqa: E402
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers: "Flax classes are deprecated"
+
+
+@pytest.fixture(autouse=True)
+def _third_party_rank_promotion():
+  """Hugging Face's Flax code relies on NumPy rank promotion (e.g. a norm weight (D,) times (B, T, D))."""
+  with jax.numpy_rank_promotion("allow"):
+    yield
+
+
+def recording(store, fn=mcnn.dot_product_attention_weights):
+  """``dot_product_attention_weights`` that hands q, k and bias to the host, in call order."""
+
+  def wrapped(query, key, bias=None, *args, **kw):
+    jax.debug.callback(lambda q, k, b: store.append((np.asarray(q), np.asarray(k), np.asarray(b))),
+                       query, key, bias, ordered=True)
+    return fn(query, key, bias, *args, **kw)
+
+  return wrapped
+
+
+def np_hf_max_logits(q, k, bias):
+  """Per-head max over batch, queries and causally allowed keys of q.k / sqrt(D) + bias (float64)."""
+  s = np.einsum("bqhd,bkhd->bhqk", np.float64(q), np.float64(k)) / np.sqrt(q.shape[-1]) + np.float64(bias)
+  allowed = np.tril(np.ones(s.shape[-2:], bool))
+  return np.where(allowed, s, -np.inf).max(axis=(0, 2, 3))
+
+
+@contextlib.contextmanager
+def replaying_inputs(attention_cls, store, mode):
+  """Records (``mode="record"``) or replays (``"replay"``) the inputs of every ``attention_cls`` call, by path."""
+
+  def interceptor(next_fun, args, kwargs, context):
+    if isinstance(context.module, attention_cls) and context.method_name == "__call__":
+      if mode == "record":
+        store[context.module.path] = (args, kwargs)
+      else:
+        args, kwargs = store[context.module.path]
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(interceptor):
+    yield
+
+
+def check_clip_bounds(forward, attention_cls, params, intermediates, tau, layout, num_heads, untouched):
+  """Check 4 of the module docstring; ``untouched`` (layers, heads) marks heads whose q and k stay as they were."""
+  clipped_params = mc.qk_clip(params, intermediates, threshold=tau, layout=layout)
+
+  @jax.jit
+  def both(p, p2):
+    store = {}
+    with replaying_inputs(attention_cls, store, "record"):
+      before = forward(p)
+    with replaying_inputs(attention_cls, store, "replay"):
+      after = forward(p2)
+    return before, after
+
+  before, after = both(params, clipped_params)
+  before, after = sown_by_layer(before, num_heads), sown_by_layer(after, num_heads)
+  clipped = before > tau
+  assert clipped.any() and untouched.any()
+  assert (after[clipped] <= tau * (1 + 1e-5)).all(), (after, tau)
+  np.testing.assert_array_equal(after[untouched], before[untouched])
+
+
+def hf_recipe_check(monkeypatch, mod, hf_module, attention_cls, expected_fn, group=1, exact_slices=()):
+  cfg = mod.Config()
+  module, params = mod.model_and_params(cfg)
+  tokens = next(mod.batches(cfg, batch_size=2))
+  ours = jax.jit(lambda p, t: mod.forward(p, module, t)[0])(params, tokens[:, :-1])
+  # 1. the one-line patch changes no output
+  monkeypatch.setattr(hf_module, "dot_product_attention_weights", nn.dot_product_attention_weights)
+  positions = jnp.broadcast_to(jnp.arange(cfg.seq_len), tokens[:, :-1].shape)
+  theirs = jax.jit(lambda p, t: module.apply({"params": p}, t, jnp.ones_like(t), positions).logits)(
+      params, tokens[:, :-1])
+  np.testing.assert_allclose(theirs, ours, rtol=1e-6, atol=1e-6)
+  # 2. the sown maxima are NumPy's
+  store = []
+  monkeypatch.setattr(hf_module, "dot_product_attention_weights", recording(store))
+  (_, intermediates), grads = jax.jit(jax.value_and_grad(lambda p, t: mod.loss_fn(p, module, t), has_aux=True))(
+      params, tokens)
+  jax.effects_barrier()
+  monkeypatch.undo()
+  maxima = sown_by_layer(intermediates, cfg.num_heads)
+  assert maxima.shape == (cfg.num_layers, cfg.num_heads) and len(store) == cfg.num_layers
+  np.testing.assert_allclose(maxima, np.stack([np_hf_max_logits(*rec) for rec in store]), rtol=2e-5, atol=1e-7)
+  # 3. one muonclip step = muon_adamw + the per-head rule on the kernels' storage
+  tau = tau_between(maxima)
+  clip, plain = mod.optimizer(cfg, LR, tau), mc.muon_adamw(LR)
+  u, _ = jax.jit(clip.update)(grads, clip.init(params), params, max_logits=intermediates)
+  v, _ = jax.jit(plain.update)(grads, plain.init(params), params)
+  p_clip, p_ref = optax.apply_updates(params, u), optax.apply_updates(params, v)
+  fq, fk = clip_factors_np(maxima, tau, group=group)
+  check_step(p_clip, p_ref, expected_fn(cfg, flat(p_ref), fq, fk), exact_slices(cfg) if exact_slices else ())
+  # 4. the clip bounds the recomputed maxima; heads of groups without a clipped head are untouched
+  group_max = maxima.reshape(cfg.num_layers, -1, group).max(-1)
+  tau = tau_between(group_max)  # some groups keep q and k
+  untouched = np.repeat(group_max <= tau, group, axis=-1)
+  check_clip_bounds(lambda p: mod.forward(p, module, tokens[:, :-1])[1], attention_cls, params,
+                    intermediates, tau, cfg.layout, cfg.num_heads, untouched)
+
+
+def test_recipe_hf_llama(monkeypatch):
+  import recipe_hf_llama as mod
+  import transformers.models.llama.modeling_flax_llama as hf_llama
+
+  def expected(cfg, ref, fq, fk):  # q_proj/k_proj kernels (in, heads * head_dim): columns
+    out = {}
+    for i in range(cfg.num_layers):
+      for proj, f in (("q_proj", fq[i]), ("k_proj", fk[i])):
+        name = f"model/layers/{i}/self_attn/{proj}/kernel"
+        out[name] = scaled(ref[name], f, cfg.head_dim, "columns")
+    return out
+
+  assert mod.Config().num_kv_heads < mod.Config().num_heads
+  hf_recipe_check(monkeypatch, mod, hf_llama, hf_llama.FlaxLlamaAttention, expected,
+                  group=mod.Config().num_heads // mod.Config().num_kv_heads)
+
+
+def test_recipe_hf_gpt2(monkeypatch):
+  import recipe_hf_gpt2 as mod
+  import transformers.models.gpt2.modeling_flax_gpt2 as hf_gpt2
+
+  def expected(cfg, ref, fq, fk):  # c_attn kernel (3 * dim, dim), torch-style: q rows, k rows, v rows
+    out = {}
+    for i in range(cfg.num_layers):
+      rows = np.concatenate([np.repeat(fq[i], cfg.head_dim), np.repeat(fk[i], cfg.head_dim),
+                             np.ones(cfg.dim)])
+      name = f"transformer/h/{i}/attn/c_attn/"
+      out[name + "kernel"] = np.asarray(ref[name + "kernel"], np.float64) * rows[:, None]
+      out[name + "bias"] = np.asarray(ref[name + "bias"], np.float64) * rows
+    return out
+
+  def value_rows(cfg):
+    return [(f"transformer/h/{i}/attn/c_attn/{leaf}", slice(2 * cfg.dim, 3 * cfg.dim))
+            for i in range(cfg.num_layers) for leaf in ("kernel", "bias")]
+
+  hf_recipe_check(monkeypatch, mod, hf_gpt2, hf_gpt2.FlaxGPT2Attention, expected, exact_slices=value_rows)
+
+
+@pytest.mark.parametrize("name", ["recipe_hf_gpt2"])
+def test_thirdparty_recipe_runs(name, capsys):
+  __import__(name).main(["--steps", "1"])
+  assert "step   0  loss" in capsys.readouterr().out
+
+
+def np_gemma_max_logits(cfg, attn_params, x, positions, mask):
+  """NumPy forward of one Gemma-style attention layer up to its pre-cap, masked logits; per-head max."""
+  x = np.float64(x)
+  q = np.einsum("btd,ndh->btnh", x, np.float64(attn_params["q_einsum"]["w"]))
+  k = np.einsum("bsd,kdh->bskh", x, np.float64(attn_params["kv_einsum"]["w"][0]))
+  if cfg.qk_norm:
+    def rms(y, scale):
+      return y / np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + 1e-6) * (1 + np.float64(scale))
+    q, k = rms(q, attn_params["_query_norm"]["scale"]), rms(k, attn_params["_key_norm"]["scale"])
+
+  def rope(y):
+    half = y.shape[-1] // 2
+    angle = (np.float64(positions)[..., None] / 10_000.0 ** (2 * np.arange(half) / y.shape[-1]))[..., None, :]
+    a, b = y[..., :half], y[..., half:]
+    return np.concatenate([a * np.cos(angle) - b * np.sin(angle), b * np.cos(angle) + a * np.sin(angle)], axis=-1)
+
+  q, k = rope(q) / np.sqrt(cfg.head_dim), np.repeat(rope(k), cfg.num_heads // cfg.num_kv_heads, axis=2)
+  s = np.einsum("btnh,bsnh->bnts", q, k)
+  return np.where(np.asarray(mask)[:, None], s, -np.inf).max(axis=(0, 2, 3))
+
+
+@pytest.mark.parametrize("variant", ["soft_cap", "qk_norm"])
+def test_recipe_gemma(variant):
+  import recipe_gemma as mod
+
+  cfg = mod.Config(soft_cap=2.0 if variant == "soft_cap" else None, qk_norm=variant == "qk_norm")
+  group = cfg.num_heads // cfg.num_kv_heads
+  model = mod.Gemma(cfg)
+  tokens = next(mod.batches(cfg, batch_size=2))
+  params = model.init(jax.random.key(0), tokens[:, :-1])["params"]
+  # 2. sown maxima = NumPy's pre-cap logits, from each attention layer's recorded inputs
+  @jax.jit
+  def measured(p, t):
+    (_, intermediates), grads = jax.value_and_grad(mod.loss_fn, has_aux=True)(p, model, t)
+    store = {}
+    with replaying_inputs(mod.Attention, store, "record"):
+      model.apply({"params": p}, t[:, :-1])
+    return intermediates, grads, {path[0]: args for path, (args, _) in store.items()}
+
+  intermediates, grads, inputs = measured(params, tokens)
+  maxima = sown_by_layer(intermediates, cfg.num_heads)
+  want = np.stack([np_gemma_max_logits(cfg, params[f"layer_{i}"]["attn"], *inputs[f"layer_{i}"])
+                   for i in range(cfg.num_layers)])
+  np.testing.assert_allclose(maxima, want, rtol=2e-5, atol=1e-6)
+  if cfg.soft_cap is not None:
+    assert (maxima > cfg.soft_cap).any()  # what a capture after the cap could never report
+  # 3. one muonclip step = muon_adamw (same matrices) + the per-head rule on this storage
+  tau = tau_between(maxima)
+  clip = mod.optimizer(cfg, LR, tau)
+  out = mc.Projection("attn_vec_einsum", leaf="w", axes=("in", "in", "out"))
+  plain = mc.muon_adamw(LR, matrix_axes=mc.attention_matrix_axes(cfg.layout, out=out))
+  u, _ = jax.jit(clip.update)(grads, clip.init(params), params, max_logits=intermediates)
+  v, _ = jax.jit(plain.update)(grads, plain.init(params), params)
+  p_clip, p_ref = optax.apply_updates(params, u), optax.apply_updates(params, v)
+  fq, fk = clip_factors_np(maxima, tau, group=group)
+  ref, expected, exact = flat(p_ref), {}, []
+  for i in range(cfg.num_layers):
+    attn = f"layer_{i}/attn"
+    if cfg.qk_norm:  # a scale shared by heads: one factor per layer, sqrt(min gamma), on (1 + scale)
+      c = np.sqrt(np.where(maxima[i] > tau, tau / maxima[i], 1.0).min())
+      for norm in ("_query_norm", "_key_norm"):
+        expected[f"{attn}/{norm}/scale"] = c * (1 + np.float64(ref[f"{attn}/{norm}/scale"])) - 1
+    else:  # q_einsum/w (heads, embed, head_dim); kv_einsum/w (2, kv_heads, embed, head_dim), k then v
+      expected[f"{attn}/q_einsum/w"] = np.float64(ref[f"{attn}/q_einsum/w"]) * fq[i][:, None, None]
+      kv = np.float64(ref[f"{attn}/kv_einsum/w"]).copy()
+      kv[0] *= fk[i][:, None, None]
+      expected[f"{attn}/kv_einsum/w"] = kv
+      exact.append((f"{attn}/kv_einsum/w", 1))  # the value part
+  check_step(p_clip, p_ref, expected, exact)
+  # 4. the clip bounds the recomputed maxima; heads whose q and k were not scaled keep theirs bit for bit
+  if cfg.qk_norm:  # the shared scale shrinks every head of a layer with a clipped head
+    tau = tau_between(maxima.max(-1))
+    untouched = np.repeat((maxima.max(-1) <= tau)[:, None], cfg.num_heads, axis=1)
+  else:
+    group_max = maxima.reshape(cfg.num_layers, -1, group).max(-1)
+    tau = tau_between(group_max)
+    untouched = np.repeat(group_max <= tau, group, axis=-1)
+  forward = lambda p: model.apply({"params": p}, tokens[:, :-1], mutable=["intermediates"])[1]["intermediates"]  # noqa: E731
+  check_clip_bounds(forward, mod.Attention, params, intermediates, tau, cfg.layout, cfg.num_heads, untouched)
