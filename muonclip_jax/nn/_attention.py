@@ -46,8 +46,8 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-AttentionImpl = Literal["dense", "chunked", "pallas", "dpa_max"]
-ATTENTION_IMPLS: tuple[str, ...] = ("dense", "chunked", "pallas", "dpa_max")
+AttentionImpl = Literal["auto", "dense", "chunked", "pallas", "dpa_max", "splash", "tokamax_gpu"]
+ATTENTION_IMPLS: tuple[str, ...] = ("auto", "dense", "chunked", "pallas", "dpa_max", "splash", "tokamax_gpu")
 
 
 class _QuerySide(NamedTuple):
@@ -392,7 +392,7 @@ def attention(
     v: jax.Array,
     *,
     softmax_scale: float,
-    impl: AttentionImpl = "dense",
+    impl: AttentionImpl = "auto",
     block_size: int = 512,
     causal: bool = False,
     mask: jax.Array | None = None,
@@ -413,8 +413,20 @@ def attention(
   * ``"dpa_max"``: ``dpa_max_attention``, ``jax.nn.dot_product_attention`` (cuDNN where
     it applies) plus a max-only pass over key blocks of ``block_size``.
 
-  See ``dense_attention`` for the arguments and outputs, which all four share.
+  * ``"splash"``: ``splash_attention``, tokamax's TPU splash kernel (interpret mode on the
+    CPU); no explicit ``mask``. Needs the ``tokamax`` extra.
+  * ``"tokamax_gpu"``: ``tokamax_gpu_attention``, tokamax's maintained GPU flash kernels
+    (Mosaic GPU on SM90/SM100, else Triton; its XLA op on the CPU). Needs ``tokamax``.
+  * ``"auto"`` (default): ``resolve_impl`` picks one of the above from the backend and
+    the masks (splash on TPU, ``tokamax_gpu`` on GPU, ``dense`` on CPU), logging any
+    fallback.
+
+  See ``dense_attention`` for the arguments and outputs, which all share.
   """
+  if impl == "auto":
+    from ._auto import resolve_impl
+
+    impl = resolve_impl(q, k, v, mask=mask, causal=causal)
   kwargs = dict(
       softmax_scale=softmax_scale, causal=causal, mask=mask, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids, q_mask=q_mask, kv_mask=kv_mask,
@@ -433,4 +445,12 @@ def attention(
     from ._max_pass import dpa_max_attention
 
     return dpa_max_attention(q, k, v, block_size=block_size, **kwargs)
+  if impl == "splash":
+    from ._splash import splash_attention
+
+    return splash_attention(q, k, v, block_size=block_size, **kwargs)
+  if impl == "tokamax_gpu":
+    from ._tokamax_gpu import tokamax_gpu_attention
+
+    return tokamax_gpu_attention(q, k, v, **kwargs)
   raise ValueError(f"attention: impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
