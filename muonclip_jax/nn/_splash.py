@@ -102,32 +102,6 @@ def _segment_ids(b, tq, tk, tq_p, tk_p, q_segment_ids, kv_segment_ids, q_mask, k
   return sq, sk
 
 
-def _allowing_rank_promotion(fn):
-  """``fn(q, k, v) -> (out, stats)`` traced, forward and backward, with rank promotion allowed.
-
-  tokamax 0.0.17's splash kernel broadcasts ``(1, 1)`` against ``(1,)`` (forward and
-  backward), which fails under ``jax_numpy_rank_promotion="raise"``. A custom VJP traces
-  the backward pass inside the same context, whatever the caller's setting.
-  """
-
-  @jax.custom_vjp
-  def call(q, k, v):
-    with jax.numpy_rank_promotion("allow"):
-      return fn(q, k, v)
-
-  def fwd(q, k, v):
-    with jax.numpy_rank_promotion("allow"):
-      out, vjp, stats = jax.vjp(fn, q, k, v, has_aux=True)
-    return (out, stats), vjp
-
-  def bwd(vjp, cts):
-    with jax.numpy_rank_promotion("allow"):
-      return vjp(cts[0])
-
-  call.defvjp(fwd, bwd)
-  return call
-
-
 def splash_attention(
     q: jax.Array,
     k: jax.Array,
@@ -161,6 +135,9 @@ def splash_attention(
 
   Returns:
     ``(out (B, Tq, H, Dv), max_logits (H,) float32 or None)``.
+
+  Reverse-mode differentiable (``grad``, ``vjp``: a custom VJP around tokamax's), not
+  forward mode (``jvp``).
   """
   if mask is not None:
     raise ValueError(
@@ -211,11 +188,11 @@ def splash_attention(
 
   if ids is None:
     fn = lambda q, k, v: jax.vmap(lambda q, k, v: kernel(q, k, v))(q, k, v)
-    out, stats = _allowing_rank_promotion(fn)(qh, kh, vh)
+    out, stats = _tokamax_adapter.allowing_rank_promotion(fn)(qh, kh, vh)
   else:
     run = lambda q, k, v, sq, sk: kernel(q, k, v, segment_ids=base.SegmentIds(q=sq, kv=sk))
     fn = lambda q, k, v: jax.vmap(run)(q, k, v, *ids)
-    out, stats = _allowing_rank_promotion(fn)(qh, kh, vh)
+    out, stats = _tokamax_adapter.allowing_rank_promotion(fn)(qh, kh, vh)
   row_max = row_max_from_residual(stats["max_logits"][:, :, :tq])  # (B, H, Tq)
   visible = ~jnp.isneginf(row_max)
   out = jnp.where(visible[..., None], out[:, :, :tq], 0)

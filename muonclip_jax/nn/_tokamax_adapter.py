@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
 EXTRA = "pip install 'muonclip_jax[tokamax]'"
 TESTED_VERSIONS = ("0.0.12", "0.0.17")
 
@@ -42,12 +44,28 @@ def splash_modules(what: str) -> Any:
   return kernel, mask, base
 
 
+def _absl_flags_parsed() -> None:
+  """Marks absl's flags parsed (defaults) unless something already parsed them.
+
+  tokamax's config (``tokamax._src.config``) reads its options as absl flags and, when
+  no absl program parsed them, parses ``sys.argv`` itself on first use: any command line
+  with options absl does not know (``pytest -q``, an argparse script) then raises
+  ``UnrecognizedFlagError``. Marking them parsed keeps tokamax's defaults; an absl
+  ``app.run`` still parses its own argv.
+  """
+  from absl import flags
+
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+
 def attention_implementations(what: str) -> Any:
   """tokamax's ``IMPLEMENTATIONS`` mapping (name -> attention op)."""
   try:
     from tokamax._src.ops.attention import api
   except ImportError as err:
     raise _missing(what, err) from err
+  _absl_flags_parsed()
   return api.IMPLEMENTATIONS
 
 
@@ -58,3 +76,30 @@ def version() -> str | None:
   except ImportError:
     return None
   return str(tokamax.__version__)
+
+
+def allowing_rank_promotion(fn):
+  """``fn(q, k, v) -> (out, stats)`` traced, forward and backward, with rank promotion allowed.
+
+  tokamax broadcasts arrays of different ranks (0.0.17's splash kernel ``(1, 1)`` against
+  ``(1,)``, forward and backward; its attention ops a ``(Tq, Tk)`` causal mask against
+  ``(B, 1, Tq, Tk)``), which fails under ``jax_numpy_rank_promotion="raise"``. A custom VJP traces
+  the backward pass inside the same context, whatever the caller's setting.
+  """
+
+  @jax.custom_vjp
+  def call(q, k, v):
+    with jax.numpy_rank_promotion("allow"):
+      return fn(q, k, v)
+
+  def fwd(q, k, v):
+    with jax.numpy_rank_promotion("allow"):
+      out, vjp, stats = jax.vjp(fn, q, k, v, has_aux=True)
+    return (out, stats), vjp
+
+  def bwd(vjp, cts):
+    with jax.numpy_rank_promotion("allow"):
+      return vjp(cts[0])
+
+  call.defvjp(fwd, bwd)
+  return call

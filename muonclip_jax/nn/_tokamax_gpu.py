@@ -30,6 +30,11 @@ which costs ``B * Tq * Tk`` bytes to build. Rows without a visible key report th
 mask value (``float32 min``), converted to ``-inf``, and return zeros.
 
 Needs the optional extra ``pip install 'muonclip_jax[tokamax]'``.
+
+Example (CPU: tokamax's XLA op)::
+
+  q = k = v = jnp.ones((1, 8, 2, 8))
+  out, m = tokamax_gpu_attention(q, k, v, softmax_scale=0.35, causal=True, return_max_logits=True)
 """
 
 from __future__ import annotations
@@ -88,6 +93,9 @@ def tokamax_gpu_attention(
     implementation: static tokamax op name (``"mosaic_gpu"``, ``"triton"``, ``"xla"``);
       None: ``default_implementation`` for the default backend.
     (the others as ``dense_attention``)
+
+  Reverse-mode differentiable (``grad``, ``vjp``: a custom VJP around tokamax's), not
+  forward mode (``jvp``).
   """
   q_side, k_side = _check_and_prepare(
       q, k, v, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
@@ -125,10 +133,9 @@ def tokamax_gpu_attention(
     pm = k_side.pair_mask
     pm = pm.reshape(pm.shape[0], pm.shape[1] * pm.shape[2], tq, tk)
     allowed = pm if allowed is None else allowed & pm
-  out, (m, _) = op(
-      q, k, v, logits_scale=float(softmax_scale), mask=allowed,
-      is_causal=bool(causal) and tq == tk, return_residuals=True,
-  )
+  run = lambda q, k, v: op(q, k, v, logits_scale=float(softmax_scale), mask=allowed,
+                          is_causal=bool(causal) and tq == tk, return_residuals=True)
+  out, (m, _) = _tokamax_adapter.allowing_rank_promotion(run)(q, k, v)
   row_max = row_max_from_residual(
       m, log2_units=implementation == "triton" and bool(getattr(op, "use_base2", False)))
   visible = jnp.swapaxes(~jnp.isneginf(row_max), 1, 2)  # (B, Tq, H)
