@@ -12,6 +12,7 @@ tokamax = pytest.importorskip("tokamax")
 
 
 def test_private_names_are_where_the_adapter_reads_them():
+  assert _tokamax_adapter.version() == tokamax.__version__
   assert _tokamax_adapter.version() in _tokamax_adapter.TESTED_VERSIONS, (
       f"tokamax {_tokamax_adapter.version()} is untested: re-read the adapter's modules")
   kernel, mask, base = _tokamax_adapter.splash_modules("test")
@@ -21,7 +22,8 @@ def test_private_names_are_where_the_adapter_reads_them():
   assert callable(kernel.make_splash_mha_single_device)
   for name in ("CausalMask", "LocalMask", "FullMask"):
     assert isinstance(getattr(mask, name), type)
-  assert base.SegmentIds._fields == ("q", "kv")
+  ids = base.SegmentIds(q=1, kv=2)  # keyword construction, as _splash uses it
+  assert (ids.q, ids.kv) == (1, 2)
   assert base.DEFAULT_MASK_VALUE < -1e37  # below _residual_max.MASKED_AT
   ops = _tokamax_adapter.attention_implementations("test")
   assert "xla" in ops

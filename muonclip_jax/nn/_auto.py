@@ -34,6 +34,8 @@ def resolve_impl(q, k, v, *, mask=None, causal: bool = False, backend: str | Non
   """The implementation ``impl="auto"`` runs for these inputs on ``backend``."""
   del v
   backend = jax.default_backend() if backend is None else backend
+  if backend not in ("tpu", "gpu", "cuda", "rocm"):
+    return "dense"  # without importing tokamax
   has_tokamax = _tokamax_adapter.version() is not None
   if backend == "tpu":
     reason = None
@@ -47,9 +49,7 @@ def resolve_impl(q, k, v, *, mask=None, causal: bool = False, backend: str | Non
       return "splash"
     _log_fallback("chunked", reason)
     return "chunked"
-  if backend in ("gpu", "cuda", "rocm"):
-    if has_tokamax:
-      return "tokamax_gpu"
-    _log_fallback("dpa_max", f"tokamax is not installed ({_tokamax_adapter.EXTRA})")
-    return "dpa_max"
-  return "dense"
+  if has_tokamax:  # GPU
+    return "tokamax_gpu"
+  _log_fallback("dpa_max", f"tokamax is not installed ({_tokamax_adapter.EXTRA})")
+  return "dpa_max"

@@ -70,12 +70,13 @@ def attention_implementations(what: str) -> Any:
 
 
 def version() -> str | None:
-  """The installed tokamax version, or None when it is not installed."""
+  """The installed tokamax version, or None when it is not installed (imports nothing)."""
+  from importlib import metadata
+
   try:
-    import tokamax
-  except ImportError:
+    return metadata.version("tokamax")
+  except metadata.PackageNotFoundError:
     return None
-  return str(tokamax.__version__)
 
 
 def allowing_rank_promotion(fn):
