@@ -27,16 +27,16 @@ from muonclip_jax.nn._splash import splash_attention  # noqa: E402
 
 
 @pytest.mark.parametrize(
-    "kind,tq,tk,dtype",
+    "kind,tq,tk,dtype,hkv",
     [
-        ("all", 13, 13, jnp.float32),  # causal + segments + padding, GQA, MLA widths
-        ("segments", 16, 16, jnp.bfloat16),
-        ("bidirectional_padding", 9, 20, jnp.float32),  # cross lengths
-        ("causal", 9, 20, jnp.float32),  # bottom-right aligned causal, Tq < Tk
+        ("all", 13, 13, jnp.float32, 2),  # causal + segments + padding, GQA, MLA widths
+        ("segments", 16, 16, jnp.bfloat16, 2),
+        ("bidirectional_padding", 9, 20, jnp.float32, 2),  # cross lengths
+        ("causal", 9, 20, jnp.float32, 1),  # bottom-right aligned causal, Tq < Tk; MQA
     ],
 )
-def test_matches_dense(kind, tq, tk, dtype):
-  q, k, v = cases.qkv(tq, tk, seed=tq + tk, dtype=dtype)
+def test_matches_dense(kind, tq, tk, dtype, hkv):
+  q, k, v = cases.qkv(tq, tk, seed=tq + tk, dtype=dtype, hkv=hkv)
   if dtype == jnp.float32:
     cases.assert_matches_dense(q, k, v, cases.masks(kind, tq, tk), "splash")
     return
