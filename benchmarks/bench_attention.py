@@ -12,15 +12,24 @@ Tables 1-2 are for ``MultiHeadLatentAttention`` (MLA) and ``GroupedQueryAttentio
 2. Dense vs chunked at several sequence lengths: forward+backward time with capture on,
    and the compiled temporary memory (``compiled.memory_analysis().temp_size_in_bytes``,
    XLA's peak scratch) next to the size of one float32 ``(B, H, T, T)`` logit matrix.
-3. Accelerator section (only when JAX sees a GPU; on other backends it prints that it
-   was skipped): the pure attention functions, forward+backward, bfloat16, causal, batch
+3. Accelerator sections (each only when JAX sees its accelerator; otherwise it prints
+   SKIPPED): the pure attention functions, forward+backward, bfloat16, causal, batch
    1, at 4096 and 8192 tokens, for MLA-shaped (16 heads, q/k width 192, v width 128) and
-   GQA-shaped (32 query heads, 8 key/value heads, width 128) attention. Contenders: the
-   fused Pallas kernel with and without capture (target overhead <= 3%); plain
+   GQA-shaped (32 query heads, 8 key/value heads, width 128) attention.
+   TPU: tokamax's splash kernel (``impl="splash"``) with and without capture, and
+   ``chunked`` with capture.
+   GPU: tokamax's GPU kernel (``impl="tokamax_gpu"``: Mosaic GPU on SM90/SM100, else
+   Triton) with and without capture; the (deprecated) fused Pallas Triton kernel with and
+   without capture (target overhead <= 3%); plain
    ``jax.nn.dot_product_attention(implementation="cudnn")`` without capture (for MLA the
    values are zero-padded to width 192, which cuDNN's JAX API needs; target: Pallas with
    capture at >= 0.67 of its speed); ``dpa_max`` with capture (its overhead over plain
    cuDNN); the library's ``chunked`` path with capture.
+
+4. tokamax on the CPU (when tokamax is installed and no accelerator is present): no speed,
+   only what can be measured here: the interpret-mode splash kernel's and the XLA
+   tokamax op's largest difference from ``dense`` in output and per-head maxima at a
+   small GQA/MLA shape, and whether the splash forward+backward lowers for TPU.
 
 Timing: each contender is compiled and warmed up first; then the contenders of a row are
 run alternately ``--repeats`` times and the median wall-clock time is reported (with the
@@ -178,24 +187,122 @@ def _cudnn_step():
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
 
 
+def _compile_or_report(fns: dict, args_: tuple, label: str) -> dict:
+  for key in list(fns):  # a contender that does not compile is reported, not fatal
+    try:
+      jax.block_until_ready(fns[key](*args_))
+    except Exception as e:  # noqa: BLE001 (any compile/runtime failure of one contender)
+      print(f"<!-- {label} {key}: {type(e).__name__}: {str(e)[:200]} -->")
+      del fns[key]
+  return fns
+
+
+def _bf16_qkv(seq, h, hkv, d, dv):
+  rng = np.random.default_rng(0)
+  return tuple(jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+               for s in ((1, seq, h, d), (1, seq, hkv, d), (1, seq, hkv, dv)))
+
+
+def tpu(args) -> None:
+  backend = jax.default_backend()
+  if backend != "tpu":
+    print(f"\n## TPU section: SKIPPED (backend {backend!r}; it needs a TPU). "
+          "No splash figures were measured.")
+    return
+  print(f"\n## TPU: forward+backward, bf16, causal, batch 1, median of "
+        f"{args.accelerator_repeats} (min-max), ms, on {jax.devices()[0].device_kind}\n")
+  print("| shape | seq | splash+capture | splash | capture overhead | chunked+capture |")
+  print("|---|---|---|---|---|---|")
+  for seq in args.accelerator_seq_lens:
+    for name, shape in ACCELERATOR_SHAPES.items():
+      qkv = _bf16_qkv(seq, *shape)
+      fns = _compile_or_report({
+          "splash_on": _attention_step("splash", True),
+          "splash_off": _attention_step("splash", False),
+          "chunked_on": _attention_step("chunked", True, block_size=args.block_size),
+      }, qkv, f"{name} {seq}")
+      times = _time_alternating(fns, qkv, args.accelerator_repeats)
+      med = {key: statistics.median(ts) for key, ts in times.items()}
+      cell = lambda key: _fmt(times[key]) if key in times else "n/a"
+      over = (f"{100 * (med['splash_on'] / med['splash_off'] - 1):+.1f}%"
+              if "splash_on" in med and "splash_off" in med else "n/a")
+      print(f"| {name} | {seq} | {cell('splash_on')} | {cell('splash_off')} | {over} | "
+            f"{cell('chunked_on')} |", flush=True)
+
+
+def tokamax_on_cpu(args) -> None:
+  """Interpret-mode / XLA-op equality with dense, and TPU lowering of splash (no speed)."""
+  del args
+  if jax.default_backend() != "cpu":
+    return
+  try:
+    import tokamax  # noqa: F401
+  except ImportError:
+    print("\n## tokamax on the CPU: SKIPPED (tokamax not installed: pip install 'muonclip_jax[tokamax]')")
+    return
+  from muonclip_jax.nn._splash import splash_attention
+
+  print("\n## tokamax on the CPU: equality with dense (no speed: splash runs in Pallas "
+        "interpret mode here)\n")
+  print("| impl | shape (B, T, H, Hkv, Dqk, Dv) | dtype | masks | max abs diff out | "
+        "max abs diff max_logits |")
+  print("|---|---|---|---|---|---|")
+  b, t, h, hkv, d, dv = 2, 100, 4, 2, 24, 16
+  rng = np.random.default_rng(0)
+  seg = jnp.asarray((np.arange(t)[None] >= np.array([[t], [40]])).astype(np.int32))
+  kw = dict(softmax_scale=d ** -0.5, causal=True, q_segment_ids=seg, kv_segment_ids=seg,
+            kv_mask=jnp.asarray(np.arange(t)[None] < np.array([[t], [t - 7]])),
+            return_max_logits=True)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    q, k, v = (jnp.asarray(rng.standard_normal(s), dtype)
+               for s in ((b, t, h, d), (b, t, hkv, d), (b, t, hkv, dv)))
+    out_d, m_d = jax.jit(lambda q, k, v: mnn.attention(q, k, v, impl="dense", **kw))(q, k, v)
+    for impl in ("splash", "tokamax_gpu"):
+      out, m = jax.jit(lambda q, k, v, impl=impl: mnn.attention(q, k, v, impl=impl, **kw))(q, k, v)
+      diff = float(jnp.max(jnp.abs(out.astype(jnp.float32) - out_d.astype(jnp.float32))))
+      print(f"| {impl}{' (XLA op)' if impl == 'tokamax_gpu' else ' (interpret)'} | "
+            f"({b}, {t}, {h}, {hkv}, {d}, {dv}) | {jnp.dtype(dtype).name} | causal, segments, "
+            f"padding | {diff:.1e} | {float(jnp.max(jnp.abs(m - m_d))):.1e} |", flush=True)
+
+  def f(q, k, v):
+    def loss(q, k, v):
+      out, m = splash_attention(q, k, v, softmax_scale=0.1, causal=True, return_max_logits=True,
+                                interpret=False)
+      return jnp.sum(out.astype(jnp.float32)), m
+    return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+  h, hkv, d, dv = ACCELERATOR_SHAPES["GQA"]
+  shapes = ((1, 4096, h, d), (1, 4096, hkv, d), (1, 4096, hkv, dv))
+  structs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+  try:
+    text = jax.jit(f).trace(*structs).lower(lowering_platforms=("tpu",)).as_text()
+    print(f"\nsplash fwd (with capture) + bwd, GQA 4096 tokens bf16, lowered for TPU on the CPU: "
+          f"{text.count('tpu_custom_call')} Mosaic TPU custom calls")
+  except Exception as e:  # noqa: BLE001
+    print(f"\nsplash lowering for TPU failed: {type(e).__name__}: {str(e)[:300]}")
+
+
 def accelerator(args) -> None:
   backend = jax.default_backend()
   if backend != "gpu":
-    print(f"\n## Accelerator section: SKIPPED (backend {backend!r}; it needs a GPU). "
-          "No Pallas/cuDNN figures were measured.")
+    print(f"\n## GPU section: SKIPPED (backend {backend!r}; it needs a GPU). "
+          "No tokamax GPU, Pallas or cuDNN figures were measured.")
     return
   print(f"\n## Accelerator: forward+backward, bf16, causal, batch 1, median of "
         f"{args.accelerator_repeats} (min-max), ms, on {jax.devices()[0].device_kind}\n")
-  print("| shape | seq | pallas+capture | pallas | capture overhead | cuDNN (no capture) "
+  print("| shape | seq | tokamax_gpu+capture | tokamax_gpu | capture overhead "
+        "| pallas+capture | pallas | capture overhead | cuDNN (no capture) "
         "| pallas+capture speed / cuDNN | dpa_max+capture | dpa_max overhead over cuDNN "
         "| chunked+capture |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for seq in args.accelerator_seq_lens:
     for name, (h, hkv, d, dv) in ACCELERATOR_SHAPES.items():
       rng = np.random.default_rng(0)
       q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
                  for s in ((1, seq, h, d), (1, seq, hkv, d), (1, seq, hkv, dv)))
       fns = {
+          "tokamax_gpu_on": _attention_step("tokamax_gpu", True),
+          "tokamax_gpu_off": _attention_step("tokamax_gpu", False),
           "pallas_on": _attention_step("pallas", True),
           "pallas_off": _attention_step("pallas", False),
           "cudnn": _cudnn_step(),
@@ -213,7 +320,9 @@ def accelerator(args) -> None:
       cell = lambda key: _fmt(times[key]) if key in times else "n/a"
       ratio = lambda a, b, f: f(med[a], med[b]) if a in med and b in med else "n/a"
       print(
-          f"| {name} | {seq} | {cell('pallas_on')} | {cell('pallas_off')} | "
+          f"| {name} | {seq} | {cell('tokamax_gpu_on')} | {cell('tokamax_gpu_off')} | "
+          f"{ratio('tokamax_gpu_on', 'tokamax_gpu_off', lambda a, b: f'{100 * (a / b - 1):+.1f}%')} | "
+          f"{cell('pallas_on')} | {cell('pallas_off')} | "
           f"{ratio('pallas_on', 'pallas_off', lambda a, b: f'{100 * (a / b - 1):+.1f}%')} | "
           f"{cell('cudnn')} | {ratio('cudnn', 'pallas_on', lambda a, b: f'{a / b:.2f}')} | "
           f"{cell('dpa_max_on')} | "
@@ -236,7 +345,8 @@ def main() -> None:
   parser.add_argument("--overhead-seq", type=int, default=1024)
   parser.add_argument("--overhead-repeats", type=int, default=31)
   parser.add_argument("--overhead-impls", nargs="+", default=["dense", "chunked", "dpa_max"],
-                      choices=[i for i in mnn.ATTENTION_IMPLS if i != "pallas"])
+                      choices=[i for i in mnn.ATTENTION_IMPLS
+                               if i not in ("pallas", "splash", "tokamax_gpu")])
   parser.add_argument("--skip-overhead", action="store_true")
   parser.add_argument("--skip-memory", action="store_true")
   parser.add_argument("--skip-accelerator", action="store_true")
@@ -250,7 +360,9 @@ def main() -> None:
   if not args.skip_memory:
     dense_vs_chunked(args)
   if not args.skip_accelerator:
+    tpu(args)
     accelerator(args)
+    tokamax_on_cpu(args)
   print(f"\ntotal {time.perf_counter() - start:.0f} s")
 
 

@@ -165,7 +165,24 @@ def _lower_for_cuda(shapes, dtype, kw, block_size):
     return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
 
   args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
-  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  with _abstract_gpu():
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _abstract_gpu():
+  """A context naming an H100 as the lowering target when no GPU is present.
+
+  JAX 0.12's Triton lowering asks the device for its compute capability and, with no GPU,
+  wants an abstract one (``jax.sharding.AbstractDevice`` in an abstract mesh); JAX
+  0.10.2 has no such API and lowers without it.
+  """
+  import contextlib
+
+  if not hasattr(jax.sharding, "AbstractDevice") or jax.default_backend() == "gpu":
+    return contextlib.nullcontext()
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  return jax.sharding.use_abstract_mesh(mesh)
 
 
 @pytest.mark.parametrize(

@@ -241,5 +241,5 @@ def test_bad_impl_is_named_before_anything_else():
   rng = np.random.default_rng(8)
   q, k, v = _qkv(rng, (2,), 4, 4, 2, 8)
   for kw in ({}, {"bias": jnp.zeros((2, 4, 4))}, {"dropout_rate": 0.1, "dropout_rng": jax.random.key(0)}):
-    with pytest.raises(ValueError, match=r"impl must be one of \('dense', 'chunked', 'pallas', 'dpa_max'\), got 'flash'"):
+    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'dense', 'chunked', 'pallas', 'dpa_max', 'splash', 'tokamax_gpu'\), got 'flash'"):
       dpa(q, k, v, impl="flash", **kw)

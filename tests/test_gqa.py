@@ -188,7 +188,7 @@ def test_validation():
       (dict(num_kv_heads=3), "divide"),
       (dict(num_heads=0), "num_heads"),
       (dict(head_dim=7), "even"),
-      (dict(attention_impl="splash"), "attention_impl"),
+      (dict(attention_impl="flash"), "attention_impl"),
       (dict(block_size=-1), "block_size"),
       (dict(clip_mode="key"), "clip_mode"),
   ]

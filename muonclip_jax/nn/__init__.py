@@ -7,8 +7,11 @@ Linen: ``MultiHeadLatentAttention`` (DeepSeek-V3 MLA) and ``GroupedQueryAttentio
 Each module's ``layout`` property is the ``MLALayout``/``GQALayout`` for ``qk_clip``.
 
 The pure functions ``attention``, ``dense_attention``, ``chunked_attention``,
-``pallas_attention`` (fused Pallas kernel) and ``dpa_max_attention``
-(``jax.nn.dot_product_attention`` plus a max-only pass) return ``(out, max_logits)``;
+``pallas_attention`` (fused Pallas Triton kernel, deprecated), ``dpa_max_attention``
+(``jax.nn.dot_product_attention`` plus a max-only pass), ``splash_attention`` (tokamax's
+TPU splash kernel) and ``tokamax_gpu_attention`` (tokamax's Mosaic GPU / Triton kernels;
+both need the ``tokamax`` extra) return ``(out, max_logits)``; ``attention(impl="auto")``
+picks one by backend;
 ``apply_rope``/``rope_frequencies``/``YarnScaling`` are the rotary embeddings
 (``rope_interleave=True``: DeepSeek-V3's interleaved pairs).
 ``mla_from_hf_config``/``mla_nnx_from_hf_config`` build MLA from a Hugging Face
@@ -44,3 +47,5 @@ from ._rope import rope_frequencies as rope_frequencies
 from ._rope import softmax_scale as softmax_scale
 from ._rope import yarn_mscale as yarn_mscale
 from ._sow import sow_max_logits as sow_max_logits
+from ._splash import splash_attention as splash_attention
+from ._tokamax_gpu import tokamax_gpu_attention as tokamax_gpu_attention

@@ -48,8 +48,8 @@ import jax.numpy as jnp
 
 from ._soft_cap import check_soft_cap, soft_cap
 
-AttentionImpl = Literal["dense", "chunked", "pallas", "dpa_max"]
-ATTENTION_IMPLS: tuple[str, ...] = ("dense", "chunked", "pallas", "dpa_max")
+AttentionImpl = Literal["auto", "dense", "chunked", "pallas", "dpa_max", "splash", "tokamax_gpu"]
+ATTENTION_IMPLS: tuple[str, ...] = ("auto", "dense", "chunked", "pallas", "dpa_max", "splash", "tokamax_gpu")
 
 
 class _QuerySide(NamedTuple):
@@ -403,7 +403,7 @@ def attention(
     v: jax.Array,
     *,
     softmax_scale: float,
-    impl: AttentionImpl = "dense",
+    impl: AttentionImpl = "auto",
     block_size: int = 512,
     causal: bool = False,
     mask: jax.Array | None = None,
@@ -425,11 +425,25 @@ def attention(
   * ``"dpa_max"``: ``dpa_max_attention``, ``jax.nn.dot_product_attention`` (cuDNN where
     it applies) plus a max-only pass over key blocks of ``block_size``.
 
-  See ``dense_attention`` for the arguments and outputs, which all four share.
+  * ``"splash"``: ``splash_attention``, tokamax's TPU splash kernel (interpret mode on the
+    CPU); no explicit ``mask``. Needs the ``tokamax`` extra.
+  * ``"tokamax_gpu"``: ``tokamax_gpu_attention``, tokamax's maintained GPU flash kernels
+    (Mosaic GPU on SM90/SM100, else Triton; its XLA op on the CPU). Needs ``tokamax``.
+  * ``"auto"`` (default): ``resolve_impl`` picks one of the above from the backend and
+    the masks (splash on TPU, ``tokamax_gpu`` on GPU, ``dense`` on CPU), logging any
+    fallback.
+
+  See ``dense_attention`` for the arguments and outputs, which all share.
   ``logits_soft_cap`` (``cap * tanh(s / cap)`` before the softmax; the maxima stay those of
-  the logits before the cap) is supported by ``"dense"`` only so far: any other ``impl``
-  with a cap raises ValueError.
+  the logits before the cap) is supported by ``"dense"``, and by ``"splash"`` without
+  ``return_max_logits`` (splash keeps only the capped maximum); any other ``impl`` with a
+  cap raises ValueError, and ``"auto"`` then falls back to ``"dense"`` with a log line.
   """
+  if impl == "auto":
+    from ._auto import resolve_impl
+
+    impl = resolve_impl(q, k, v, mask=mask, causal=causal,
+                        soft_cap_with_maxima=logits_soft_cap is not None and return_max_logits)
   check_soft_cap(logits_soft_cap, impl if impl in ATTENTION_IMPLS else "dense", "attention")
   kwargs = dict(
       softmax_scale=softmax_scale, causal=causal, mask=mask, q_segment_ids=q_segment_ids,
@@ -449,4 +463,12 @@ def attention(
     from ._max_pass import dpa_max_attention
 
     return dpa_max_attention(q, k, v, block_size=block_size, **kwargs)
+  if impl == "splash":
+    from ._splash import splash_attention
+
+    return splash_attention(q, k, v, block_size=block_size, logits_soft_cap=logits_soft_cap, **kwargs)
+  if impl == "tokamax_gpu":
+    from ._tokamax_gpu import tokamax_gpu_attention
+
+    return tokamax_gpu_attention(q, k, v, **kwargs)
   raise ValueError(f"attention: impl must be one of {ATTENTION_IMPLS}, got {impl!r}")

@@ -1,5 +1,13 @@
 """Fused flash attention in Pallas that emits each head's max logit (``impl="pallas"``).
 
+Deprecated: this kernel is written for JAX's Pallas Triton backend, which JAX 0.12
+deprecates ("will be removed in a future JAX version"), and it has never run on a GPU
+in this project's CI. ``impl="tokamax_gpu"`` (tokamax's maintained Mosaic GPU and Triton
+kernels, same capture) replaces it on GPU and ``impl="auto"`` never selects it; it stays
+for now as an interpret-mode reference and will be removed together with JAX's Triton
+backend (see benchmarks/RESULTS.md for the decision). Compiling it for a GPU
+(``interpret=False``) emits a ``DeprecationWarning``.
+
 One forward kernel computes the online softmax of Dao et al. (arXiv 2205.14135, Alg. 1;
 FlashAttention-2, arXiv 2307.08691, Sec. 3.1) per ``(query block, batch, head)`` program:
 for each key block ``j``, ``m' = max(m, rowmax(S_j))``, ``l' = e^{m - m'} l +
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -421,6 +430,12 @@ def pallas_attention(
   tk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
   if interpret is None:
     interpret = _default_interpret(jax.default_backend())
+  if not interpret:
+    warnings.warn(
+        "pallas_attention (impl='pallas') rests on JAX's Pallas Triton backend, which JAX "
+        "deprecates; use impl='tokamax_gpu' or impl='auto' (pip install 'muonclip_jax[tokamax]')",
+        DeprecationWarning, stacklevel=2,
+    )
   cfg = _Cfg(
       scale=float(softmax_scale), causal=bool(causal), tq=tq, tk=tk,
       bq=_tile(block_size, tq), bk=_tile(block_size, tk), groups=h // hkv,

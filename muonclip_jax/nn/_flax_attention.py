@@ -41,7 +41,7 @@ so those calls take a dense path that materializes them (``impl="dense"`` only; 
 ``impl`` raises ValueError) and draws dropout exactly as Flax does (same ``dropout_rng``,
 same mask shapes), so outputs match Flax's.
 
-Masks with ``impl="pallas"``: the fused kernel takes no explicit ``(B, H, Tq, Tk)`` mask,
+Masks with ``impl="pallas"`` or ``impl="splash"``: the fused kernel takes no explicit ``(B, H, Tq, Tk)`` mask,
 only causal masking and per-batch-row padding. Through ``attention_fn`` it therefore runs
 
 * causal self-attention given as ``is_causal=True`` with no mask:
@@ -128,7 +128,7 @@ def _key_padding(allowed: jax.Array, mask: Any, b: int, tk: int, *, is_causal: b
   what = ("is_causal=True with q_length != kv_length (a top-left aligned causal mask)" if is_causal
           else f"a mask of shape {jnp.shape(mask)} (as (B, H, Tq, Tk): {allowed.shape})")
   raise ValueError(
-      f"dot_product_attention: impl='pallas' cannot apply {what}: the fused kernel takes no "
+      f"dot_product_attention: impl='pallas' or 'splash' cannot apply {what}: the fused kernel takes no "
       "explicit (B, H, Tq, Tk) mask. Through attention_fn it supports causal self-attention as "
       "functools.partial(dot_product_attention, impl='pallas', is_causal=True) with no mask "
       "(NNX: call the module with is_causal=True), and key padding masks of shape (B, 1, 1, Tk); "
@@ -190,7 +190,7 @@ def dot_product_attention(
     attn_weights_value_einsum: Any = None,
     is_causal: bool = False,
     *,
-    impl: str = "dense",
+    impl: str = "auto",
     block_size: int = 512,
     logits_soft_cap: float | None = None,
 ) -> jax.Array:
@@ -216,7 +216,8 @@ def dot_product_attention(
     einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum: not supported
       (ValueError unless None).
     is_causal: NNX's causal mask (key ``j`` attends query ``i`` iff ``j <= i``).
-    impl: ``muonclip_jax.nn.attention``'s kernel, one of ``ATTENTION_IMPLS`` (keyword-only,
+    impl: ``muonclip_jax.nn.attention``'s kernel, one of ``ATTENTION_IMPLS`` (default
+      ``"auto"``: by backend, see ``attention``; a bias or dropout takes the dense path) (keyword-only,
       never passed by Flax). ``"pallas"`` takes only key padding masks (see module doc).
     block_size: key block of ``impl="chunked"``.
     logits_soft_cap: None, or a positive float ``cap``: the softmax reads
@@ -268,7 +269,7 @@ def dot_product_attention(
   scale = 1.0 / math.sqrt(d)
   with _precision(precision):
     if bias is not None or dropout is not None:
-      if impl != "dense":
+      if impl not in ("dense", "auto"):
         raise ValueError(f"dot_product_attention: impl={impl!r} supports neither an additive bias nor "
                          "dropout; these need the attention weights (impl='dense')")
       if causal:
@@ -279,7 +280,7 @@ def dot_product_attention(
                                             dropout=dropout, dtype=dt, cap=logits_soft_cap)
     else:
       pair_mask, kv_mask = allowed, None
-      if impl == "pallas" and allowed is not None:
+      if impl in ("pallas", "splash") and allowed is not None:
         pair_mask, kv_mask = None, _key_padding(allowed, mask, b, tk, is_causal=bool(is_causal) and not causal)
       out, max_logits = attention(q4, k4, v4, softmax_scale=scale, impl=impl, block_size=block_size,
                                   causal=causal, mask=pair_mask, kv_mask=kv_mask, return_max_logits=capture,

@@ -77,8 +77,9 @@ class GroupedQueryAttention(nn.Module):
     rope_theta: RoPE base.
     yarn: optional ``YarnScaling`` (frequencies and softmax scale times ``mscale^2``).
     causal: causal self-attention (default True).
-    attention_impl: one of ``ATTENTION_IMPLS``: ``"dense"``, ``"chunked"``, ``"pallas"``,
-      ``"dpa_max"`` (see ``attention``).
+    attention_impl: one of ``ATTENTION_IMPLS``: ``"auto"`` (default: splash on TPU, tokamax's
+      GPU kernels on GPU, dense on CPU), ``"dense"``, ``"chunked"``, ``"pallas"``, ``"dpa_max"``,
+      ``"splash"``, ``"tokamax_gpu"`` (see ``attention``).
     block_size: key block length of ``"chunked"`` and ``"dpa_max"``; caps ``"pallas"`` tiles.
     clip_mode: ``GQALayout.clip_mode`` reported by ``layout`` (``"split"`` or ``"query"``).
     dtype: computation dtype (``None``: inferred).
@@ -95,7 +96,7 @@ class GroupedQueryAttention(nn.Module):
   rope_theta: float = 10000.0
   yarn: YarnScaling | None = None
   causal: bool = True
-  attention_impl: AttentionImpl = "dense"
+  attention_impl: AttentionImpl = "auto"
   block_size: int = 512
   clip_mode: Literal["split", "query"] = "split"
   dtype: Any = None

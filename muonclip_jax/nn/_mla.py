@@ -182,8 +182,9 @@ class MultiHeadLatentAttention(nn.Module):
       reference and Hugging Face's ``rope_interleave``) instead of ``(i, i + dr/2)``;
       checkpoints of DeepSeek-V3 / Kimi K2 then load without permuting columns.
     causal: causal self-attention (default True).
-    attention_impl: ``"dense"`` (materialized logits), ``"chunked"`` (online softmax),
-      ``"pallas"`` (fused Pallas kernel) or ``"dpa_max"`` (see ``attention``).
+    attention_impl: ``"auto"`` (default: splash on TPU, tokamax's GPU kernels on GPU, dense
+      on CPU), ``"dense"`` (materialized logits), ``"chunked"`` (online softmax), ``"pallas"``
+      (fused Pallas kernel), ``"dpa_max"``, ``"splash"`` or ``"tokamax_gpu"`` (see ``attention``).
     block_size: key block length of ``"chunked"`` and ``"dpa_max"``; caps ``"pallas"`` tiles.
     norm_epsilon: RMSNorm epsilon of ``q_norm`` and ``kv_norm``.
     dtype: computation dtype (``None``: inferred from inputs and params).
@@ -201,7 +202,7 @@ class MultiHeadLatentAttention(nn.Module):
   yarn: YarnScaling | None = None
   rope_interleave: bool = False
   causal: bool = True
-  attention_impl: AttentionImpl = "dense"
+  attention_impl: AttentionImpl = "auto"
   block_size: int = 512
   norm_epsilon: float = 1e-6
   dtype: Any = None
