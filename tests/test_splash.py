@@ -123,8 +123,16 @@ def test_validation_and_missing_extra(monkeypatch):
   q, k, v = cases.qkv(8)
   with pytest.raises(ValueError, match="explicit boolean `mask`.*static"):
     mnn.attention(q, k, v, softmax_scale=1.0, impl="splash", mask=jnp.ones((1, 1, 8, 8), bool))
-  with pytest.raises(ValueError, match=r"causal with Tq 8 > Tk 4"):
+  with pytest.raises(ValueError, match=r"causal with Tq 8 > Tk 4 leaves query row 0 .*chunked"):
     splash_attention(q, k[:, :4], v[:, :4], softmax_scale=1.0, causal=True)
+  with pytest.raises(ValueError, match=r"window=\(0, 0\) leaves query row 0 "):  # offset -4
+    splash_attention(q, k[:, :4], v[:, :4], softmax_scale=1.0, window=(0, 0))
+  from muonclip_jax.nn._splash import _first_static_empty_row as first_empty
+
+  assert first_empty(128, 128, causal=True, window=None, offset=0) is None
+  assert first_empty(128, 128, causal=False, window=(3, 1), offset=0) is None
+  assert first_empty(256, 128, causal=False, window=(2, 2), offset=0) == 130  # a padded row
+  assert first_empty(128, 256, causal=True, window=(1, None), offset=5) is None
   with pytest.raises(ValueError, match="window"):
     splash_attention(q, k, v, softmax_scale=1.0, window=(-1, 0))
   from muonclip_jax.nn._splash import _default_interpret

@@ -22,7 +22,8 @@ checked against ``dense_attention`` in interpret mode by tests/test_splash.py):
   segment ids; ``q_mask``/``kv_mask`` become segment ids below every real one.
   An explicit traced ``(B, H, Tq, Tk)`` ``mask`` is not expressible: ValueError.
 * a row without a visible key returns zeros (splash returns a mean of masked values);
-  ``causal`` with ``Tq > Tk`` (rows the static mask leaves empty) is refused.
+  a static mask (``causal`` with ``Tq > Tk``, a ``window`` with cross lengths) that leaves
+  a row, padded rows included, without any key is refused (ValueError).
 * ``logits_soft_cap``: splash applies ``c * tanh(s / c)`` before its running maximum, so
   its max logit is the capped one and the pre-cap maximum QK-Clip bounds cannot be
   recovered reliably (``tanh`` saturates); ``logits_soft_cap`` with
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _tokamax_adapter
 from ._attention import _check_and_prepare
@@ -77,6 +79,23 @@ def _static_mask(mask_lib, shape, *, causal: bool, window, offset: int):
   if causal:
     return mask_lib.CausalMask(shape, offset=offset)
   return mask_lib.FullMask(shape)
+
+
+def _first_static_empty_row(tq_p, tk_p, *, causal: bool, window, offset: int) -> int | None:
+  """First (padded) query row the static mask leaves without keys, or None.
+
+  Row ``i`` sees keys ``i + offset - left <= j <= i + offset + right`` within
+  ``[0, tk_p)`` (``right <= 0`` under causal). A row with none would leave splash's
+  skipped blocks uninitialized (NaN in the backward pass), so such shapes are refused.
+  """
+  left, right = window if window is not None else (None, None)
+  if causal:
+    right = 0 if right is None else min(right, 0)
+  i = np.arange(tq_p)
+  lo = np.zeros(tq_p, np.int64) if left is None else np.maximum(i + offset - left, 0)
+  hi = np.full(tq_p, tk_p - 1) if right is None else np.minimum(i + offset + right, tk_p - 1)
+  bad = np.nonzero(lo > hi)[0]
+  return int(bad[0]) if bad.size else None
 
 
 def _segment_ids(b, tq, tk, tq_p, tk_p, q_segment_ids, kv_segment_ids, q_mask, kv_mask):
@@ -161,16 +180,18 @@ def splash_attention(
   )
   b, tq, h, _ = q.shape
   tk = k.shape[1]
-  if causal and tq > tk:
-    raise ValueError(
-        f"splash_attention: causal with Tq {tq} > Tk {tk} leaves whole query rows without keys, "
-        "which splash does not support; use impl='chunked'"
-    )
   if interpret is None:
     interpret = _default_interpret(jax.default_backend())
   kernel_lib, mask_lib, base = _tokamax_adapter.splash_modules("impl='splash'")
   bq, bkv = _block(block_size, tq), _block(block_size, tk)
   tq_p, tk_p = _round_up(tq, bq), _round_up(tk, bkv)
+  empty = _first_static_empty_row(tq_p, tk_p, causal=bool(causal), window=window, offset=tk - tq)
+  if empty is not None:
+    what = f"causal with Tq {tq} > Tk {tk}" if causal and tq > tk else f"window={window!r}"
+    raise ValueError(
+        f"splash_attention: {what} leaves query row {empty} (of {tq}, padded to {tq_p}) without "
+        "any key in the static mask, which splash does not support; use impl='chunked'"
+    )
   static_mask = _static_mask(mask_lib, (tq_p, tk_p), causal=bool(causal), window=window,
                              offset=tk - tq)
   config = kernel_lib.SplashConfig(
