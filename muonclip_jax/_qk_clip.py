@@ -192,6 +192,12 @@ def qk_clip(params: Any, max_logits: Any, *, threshold: Any, layout: Any,
   left bit-for-bit as they are, and so are value columns (of ``wkv_b`` or of a fused QKV
   kernel), ``wkv_a``, the value and output projections and all other leaves.
 
+  With QK-norm (``GQALayout(query_norm=..., key_norm=...)``) the kernels are left alone and
+  the norms' scales (and biases) are scaled instead (``muonclip_jax._qk_norm``: per head, or
+  per layer by the smallest gamma where the scale is shared by heads); an undeclared norm
+  of a usual QK-norm name (Flax's ``query_ln``/``key_ln``, ``q_norm``/``k_norm``, ...) is a
+  ValueError, since scaling the kernels would have no effect.
+
   Pure and jit-friendly: shape checks only at trace time, no host sync, no branching on
   values. Each scaled leaf is multiplied elementwise by a factor built from the small maxima
   (in float32 or wider, cast back), so dtypes and shardings are kept and a head-sharded

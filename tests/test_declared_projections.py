@@ -162,3 +162,33 @@ def test_layouts_check_projection_roles():
   with pytest.raises(ValueError, match="not a fused projection"):
     MLALayout(2, 2, 2, 2, query=Projection("wq", parts=("q",)))
   GQALayout(2, 2, 4, key=Projection("kv", parts=("k", "v")))
+
+
+def test_nnx_sharding_metadata_gives_the_axes_and_optimizer_keeps_them():
+  from flax import nnx
+
+  class Attn(nnx.Module):
+    def __init__(self, rngs):
+      init = nnx.initializers.normal(1.0)
+      meta = lambda *names: {"out_sharding": names, "eager_sharding": False}  # noqa: E731
+      self.q = nnx.Einsum("btd,hde->bthe", (4, 6, 8), kernel_init=init, rngs=rngs,
+                          kernel_metadata=meta("q_heads", "embed", "kv"))
+      self.k = nnx.Einsum("btd,hde->bthe", (2, 6, 8), kernel_init=init, rngs=rngs,
+                          kernel_metadata=meta("kv_heads", "embed", "kv_head_dim"))
+
+  model = Attn(nnx.Rngs(0))
+  lay = GQALayout(4, 2, 8, "query", query="q", key="k")
+  s = jnp.asarray([1.0, 5.0, 2.0, 6.0])
+  state = nnx.state(model, nnx.Param)
+  got = qk_clip(state, {"max_logits": s}, threshold=3.0, layout=lay)
+  gamma = np.where(s > 3.0, 3.0 / s, 1.0)
+  want = np.asarray(model.q.kernel.value) * gamma[:, None, None]
+  np.testing.assert_allclose(np.asarray(nnx.to_pure_dict(got)["q"]["kernel"]), want, rtol=1e-6)
+  # An optimizer that sees boxed params at init and bare arrays at update (nnx.Optimizer) clips the same.
+  tx = mc.qk_clip_transform(3.0, layout=lay)
+  tx_state = tx.init(state)
+  bare = nnx.to_pure_dict(state)
+  updates, _ = tx.update(jax.tree.map(jnp.zeros_like, bare), tx_state, bare, max_logits={"max_logits": s})
+  np.testing.assert_allclose(np.asarray(bare["q"]["kernel"] + updates["q"]["kernel"]), want, rtol=1e-6)
+  with pytest.raises(ValueError, match=r"q/kernel has shape \(4, 6, 8\).*fits no kernel form"):
+    qk_clip(bare, {"max_logits": s}, threshold=3.0, layout=lay)  # bare arrays, no names: not guessed

@@ -25,12 +25,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import recipe_maxtext_scanned as mod  # noqa: E402
 
 
-def _record(store_qk, store_x):
+def _record():
+  """Sows what reached each layer's attention (its input x) and its attention_op (q, k); stacked by
+  the scan on axis 0, so layers come out in order."""
   def interceptor(next_fun, args, kwargs, context):
     if context.method_name == "__call__" and isinstance(context.module, mod.AttentionOp):
-      jax.debug.callback(lambda q, k: store_qk.append((np.asarray(q), np.asarray(k))), args[0], args[1], ordered=True)
+      context.module.sow("intermediates", "probe_q", args[0])
+      context.module.sow("intermediates", "probe_k", args[1])
     elif context.method_name == "__call__" and isinstance(context.module, mod.Attention):
-      jax.debug.callback(lambda x: store_x.append(np.asarray(x)), args[0], ordered=True)
+      context.module.sow("intermediates", "probe_x", args[0])
     return next_fun(*args, **kwargs)
 
   return nn.intercept_methods(interceptor)
@@ -55,12 +58,13 @@ def test_recipe_maxtext_scanned():
   assert attn["query"]["kernel"].names == ("embed", "layers", "q_heads", "kv")
   assert attn["query"]["kernel"].value.shape == (cfg.dim, cfg.num_layers, cfg.num_heads, cfg.head_dim)
   # 1. MaxText's own maxima (layers, batch, heads); reduced over the batch = NumPy on the q, k
-  store_qk, store_x = [], []
-  with _record(store_qk, store_x):
+  with _record():
     (_, inter), grads = jax.jit(jax.value_and_grad(mod.loss_fn, has_aux=True), static_argnums=1)(
         params, model, tokens)
-    jax.effects_barrier()
-  raw = inter["layers"]["self_attention"]["attention_op"]["max_logits"]
+  op = inter["layers"]["self_attention"]["attention_op"]
+  store_qk = list(zip(np.asarray(op["probe_q"][0]), np.asarray(op["probe_k"][0])))
+  store_x = list(np.asarray(inter["layers"]["self_attention"]["probe_x"][0]))
+  raw = op["max_logits"]
   assert raw.shape == (cfg.num_layers, 2, cfg.num_heads) and len(store_qk) == cfg.num_layers == len(store_x)
   reduced = mc.reduce_max_logits(inter)
   maxima = np.asarray(reduced["layers"]["self_attention"]["max_logits"])
