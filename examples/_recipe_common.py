@@ -1,4 +1,4 @@
-"""What the four recipes (``examples/recipe_*.py``) share and MuonClip does not touch: toy
+"""What the recipes (``examples/recipe_*.py``) share and MuonClip does not touch: toy
 data and the printed training loop. Each recipe keeps its own model, optimizer and step,
 where its ``# MuonClip`` lines are."""
 
