@@ -54,11 +54,16 @@ def test_auto_resolution_and_fallback_logs(monkeypatch, caplog):
     has(False)
     assert _auto.resolve_impl(q, k, v, backend="tpu") == "chunked"
     assert _auto.resolve_impl(q, k, v, backend="gpu") == "dpa_max"
+    has(True)  # a soft cap: splash applies it, but only dense keeps the maxima before it
+    assert _auto.resolve_impl(q, k, v, backend="tpu", logits_soft_cap=50.0) == "splash"
+    assert _auto.resolve_impl(q, k, v, backend="tpu", logits_soft_cap=50.0, return_max_logits=True) == "dense"
+    assert _auto.resolve_impl(q, k, v, backend="gpu", logits_soft_cap=50.0) == "dense"
+  assert _auto.resolve_impl(q, k, v, backend="cpu", logits_soft_cap=50.0, return_max_logits=True) == "dense"
   text = caplog.text
   for reason in ("explicit (B, H, Tq, Tk) mask", "causal attention with Tq > Tk",
-                 "tokamax is not installed"):
+                 "tokamax is not installed", "logits_soft_cap"):
     assert reason in text
-  assert text.count("impl='auto'") == 4
+  assert text.count("impl='auto'") == 5
 
 
 def test_default_gpu_kernel():

@@ -442,8 +442,8 @@ def attention(
   if impl == "auto":
     from ._auto import resolve_impl
 
-    impl = resolve_impl(q, k, v, mask=mask, causal=causal,
-                        soft_cap_with_maxima=logits_soft_cap is not None and return_max_logits)
+    impl = resolve_impl(q, k, v, mask=mask, causal=causal, logits_soft_cap=logits_soft_cap,
+                        return_max_logits=return_max_logits)
   check_soft_cap(logits_soft_cap, impl if impl in ATTENTION_IMPLS else "dense", "attention")
   kwargs = dict(
       softmax_scale=softmax_scale, causal=causal, mask=mask, q_segment_ids=q_segment_ids,

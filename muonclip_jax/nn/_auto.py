@@ -31,18 +31,19 @@ def _log_fallback(chosen: str, reason: str) -> None:
 
 
 def resolve_impl(q, k, v, *, mask=None, causal: bool = False, backend: str | None = None,
-                 soft_cap_with_maxima: bool = False) -> str:
+                 logits_soft_cap: float | None = None, return_max_logits: bool = False) -> str:
   """The implementation ``impl="auto"`` runs for these inputs on ``backend``.
 
-  ``soft_cap_with_maxima``: a ``logits_soft_cap`` with ``return_max_logits``, which only
-  ``"dense"`` computes (the maxima before the cap): ``"dense"`` on every backend, logged.
+  With a ``logits_soft_cap``: ``"dense"`` (logged) wherever the chosen kernel cannot take
+  it: with ``return_max_logits`` everywhere (only ``"dense"`` keeps the maxima before the
+  cap), and on GPU (tokamax's GPU op is called without a cap).
   """
   del v
   backend = jax.default_backend() if backend is None else backend
   if backend not in ("tpu", "gpu", "cuda", "rocm"):
     return "dense"  # without importing tokamax
-  if soft_cap_with_maxima:
-    _log_fallback("dense", "only 'dense' gives the maxima before a logits_soft_cap")
+  if logits_soft_cap is not None and (return_max_logits or backend != "tpu"):
+    _log_fallback("dense", "only 'dense' applies a logits_soft_cap here and keeps the maxima before it")
     return "dense"
   has_tokamax = _tokamax_adapter.version() is not None
   if backend == "tpu":

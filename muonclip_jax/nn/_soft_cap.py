@@ -18,7 +18,7 @@ def check_soft_cap(cap, impl: str, where: str) -> None:
     return
   if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0 or cap == float("inf"):
     raise ValueError(f"{where}: logits_soft_cap must be None or a positive finite Python number (static), got {cap!r}")
-  if impl not in ("dense", "splash"):
+  if impl not in ("dense", "splash", "auto"):  # "auto" resolves to one that takes the cap
     raise ValueError(f"{where}: logits_soft_cap is supported only with impl='dense' (and 'splash' without max "
                      f"logits) so far, got impl={impl!r}: the other kernels' online softmax keeps no pre-cap "
                      "maximum yet")
