@@ -13,18 +13,19 @@ projections (2-D ``(in, heads*head_dim)`` kernels, grouped-query heads), capture
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import sys
 
 import jax
-import jax.numpy as jnp
 import optax
 import transformers.models.llama.modeling_flax_llama as hf_llama
 from transformers import LlamaConfig
 
 import muonclip_jax as mc
 import muonclip_jax.nn as mcnn
-from _recipe_common import batches, train  # noqa: F401 (recipe.batches: the tests' data)
+import _hf_common
+from _hf_common import forward, loss_fn, make_step  # noqa: F401 (MuonClip 3/4 and 4/4 are there)
+from _recipe_common import batches  # noqa: F401 (recipe.batches: the tests' data)
 
 hf_llama.dot_product_attention_weights = mcnn.dot_product_attention_weights  # MuonClip (1/4): the patch
 
@@ -64,43 +65,8 @@ def optimizer(cfg: Config, learning_rate=3e-3, tau=30.0) -> optax.GradientTransf
   return mc.muonclip(learning_rate, layout=cfg.layout, qk_clip_threshold=tau)
 
 
-def forward(params, module, tokens):
-  """Logits and the sown max logits of Hugging Face's Linen module."""
-  positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
-  out, state = module.apply({"params": params}, tokens, jnp.ones_like(tokens), positions,
-                            mutable=["intermediates"])  # MuonClip (3/4): capture the max logits
-  return out.logits, state["intermediates"]
-
-
-def loss_fn(params, module, tokens):
-  logits, intermediates = forward(params, module, tokens[:, :-1])
-  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(), intermediates
-
-
-def make_step(module, opt: optax.GradientTransformationExtraArgs):
-  @jax.jit
-  def step(params, opt_state, tokens):
-    (loss, intermediates), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, module, tokens)
-    updates, opt_state = opt.update(grads, opt_state, params, max_logits=intermediates)  # MuonClip (4/4)
-    return optax.apply_updates(params, updates), opt_state, loss, intermediates
-
-  return step
-
-
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=30)
-  args = parser.parse_args(argv)
-  cfg = Config()
-  (module, params), opt = model_and_params(cfg), optimizer(cfg)
-  opt_state, jitted = opt.init(params), make_step(module, opt)
-
-  def step(tokens):
-    nonlocal params, opt_state
-    params, opt_state, loss, intermediates = jitted(params, opt_state, tokens)
-    return loss, intermediates
-
-  train(step, batches(cfg, batch_size=8), args.steps)
+  _hf_common.main(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":
