@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-import jax
 import optax
 import transformers.models.gpt2.modeling_flax_gpt2 as hf_gpt2
 from transformers import GPT2Config

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-import jax
 import optax
 import transformers.models.llama.modeling_flax_llama as hf_llama
 from transformers import LlamaConfig
