@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._muon import check_number, scale_by_muon
+from ._checks import check_number
+from ._muon import scale_by_muon
 from ._labels import ADAM, MUON, muon_labels, remembering_labels
 
 

@@ -18,14 +18,8 @@ import itertools
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from ._checks import check_positive_int
 from ._projection import Projection, as_projection, check_qk_projection
-
-
-def _check_positive_int(name: str, value: object, *, allow_zero: bool = False) -> None:
-  ok = isinstance(value, int) and not isinstance(value, bool)
-  if not ok or value < 0 or (value == 0 and not allow_zero):
-    bound = ">= 0" if allow_zero else ">= 1"
-    raise ValueError(f"{name} must be an int {bound}, got {value!r}")
 
 
 def _check_name(owner: str, field: str, value: object, *, optional: bool = False,
@@ -90,10 +84,10 @@ class MLALayout:
   key_value: str | Projection = "wkv_b"
 
   def __post_init__(self):
-    _check_positive_int("num_heads", self.num_heads)
-    _check_positive_int("qk_nope_head_dim", self.qk_nope_head_dim, allow_zero=True)
-    _check_positive_int("qk_rope_head_dim", self.qk_rope_head_dim, allow_zero=True)
-    _check_positive_int("v_head_dim", self.v_head_dim)
+    check_positive_int("num_heads", self.num_heads)
+    check_positive_int("qk_nope_head_dim", self.qk_nope_head_dim, allow_zero=True)
+    check_positive_int("qk_rope_head_dim", self.qk_rope_head_dim, allow_zero=True)
+    check_positive_int("v_head_dim", self.v_head_dim)
     if self.qk_nope_head_dim + self.qk_rope_head_dim == 0:
       raise ValueError("MLALayout: qk_nope_head_dim + qk_rope_head_dim must be >= 1, got 0")
     _check_name("MLALayout", "query", self.query, optional=True)
@@ -176,9 +170,9 @@ class GQALayout:
   norm_scale_offset: float = 0.0
 
   def __post_init__(self):
-    _check_positive_int("num_heads", self.num_heads)
-    _check_positive_int("num_kv_heads", self.num_kv_heads)
-    _check_positive_int("head_dim", self.head_dim)
+    check_positive_int("num_heads", self.num_heads)
+    check_positive_int("num_kv_heads", self.num_kv_heads)
+    check_positive_int("head_dim", self.head_dim)
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"GQALayout: num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}"

@@ -16,14 +16,11 @@ import jax
 import jax.numpy as jnp
 
 from ._paths import key_name as _key_name
+from ._paths import join
 from ._paths import keystr as _path_str
 
 MAX_LOGITS = "max_logits"
 INTERMEDIATES = "intermediates"
-
-
-def _join(module: str, name: str) -> str:
-  return f"{module}/{name}" if module else name
 
 
 def _reject_apply_output(max_logits: Any, caller: str) -> None:
@@ -88,7 +85,7 @@ def collect_max_logits(max_logits: Any, caller: str = "qk_clip") -> dict[str, ja
     shapes = {a.shape for a in arrays}
     if len(shapes) != 1 or arrays[0].ndim < 1:
       raise ValueError(
-          f"{caller}: {_join(module, MAX_LOGITS)}: expected shape (..., num_heads), "
+          f"{caller}: {join(module, MAX_LOGITS)}: expected shape (..., num_heads), "
           f"got {[a.shape for a in arrays]}"
       )
     result[module] = functools.reduce(jnp.maximum, arrays).astype(jnp.float32)
@@ -138,7 +135,7 @@ def reduce_max_logits(max_logits: Any, *, child: str = "attention_op", batch_axi
     parent, _, last = module.rpartition("/")
     if last == child:
       if s.ndim < 2 or not -s.ndim <= batch_axis < s.ndim or batch_axis % s.ndim == s.ndim - 1:
-        raise ValueError(f"reduce_max_logits: {_join(module, MAX_LOGITS)} has shape {s.shape}; expected "
+        raise ValueError(f"reduce_max_logits: {join(module, MAX_LOGITS)} has shape {s.shape}; expected "
                          f"(..., batch, heads) with the batch at axis {batch_axis}")
       s, module = jnp.max(s, axis=batch_axis), parent
     if module in out:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from ._alias import forwards_options_of, muon_adamw
-from ._muon import check_number
+from ._checks import check_number
 from ._qk_clip import _check_layout, qk_clip, qk_clip_stats, threshold_or_nan
 from ._routing import names_by_path
 

@@ -32,3 +32,8 @@ def keystr(path: Sequence[Any]) -> str:
 def path_str(path: Sequence[Any]) -> str:
   """``a/b/c`` for the path of a (possibly boxed) leaf, without its trailing ``value``."""
   return keystr(strip_value(path))
+
+
+def join(module: str, name: str) -> str:
+  """``module/name``, or ``name`` at the top level (``module == ""``)."""
+  return f"{module}/{name}" if module else name

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from ._layouts import GQALayout, MLALayout
+from ._paths import join
 from ._projection import Projection as Spec
 from ._projection import as_projection, axes_from_logical, declared_factor, declared_stack, kernel_factor
 
@@ -45,10 +46,6 @@ HEAD_MAJOR = "2-D head-major"
 DECLARED = "declared axes"
 DENSE_GENERAL = "DenseGeneral"
 FUSED_3 = "fused (in, 3, heads, head_dim)"
-
-
-def _join(module: str, name: str) -> str:
-  return f"{module}/{name}" if module else name
 
 
 def _tail(form: str, parts: Sequence[Part]) -> Shape | None:
@@ -242,7 +239,7 @@ def detect(
   missing = missing_projections(module, lay, shapes, caller)
   if missing:
     raise ValueError(
-        f"{caller}: module {module or '<root>'!r} has no {_join(module, missing[0])!r} for "
+        f"{caller}: module {module or '<root>'!r} has no {join(module, missing[0])!r} for "
         f"{type(lay).__name__} (expected projections {[s.name for s in parts_of]}, named by the "
         f"layout's fields); parameters under {module or '<root>'!r}: {sorted(shapes)}"
     )
@@ -255,14 +252,14 @@ def detect(
       spec = dataclasses.replace(spec, axes=logical)
       parts_of[spec] = parts
     if spec.axes is not None:
-      s = declared_stack(caller, _join(module, spec.kernel), spec.axes, kernel, parts,
-                         _join(module, spec.bias), bias)
+      s = declared_stack(caller, join(module, spec.kernel), spec.axes, kernel, parts,
+                         join(module, spec.bias), bias)
       fits[spec] = [(DECLARED, s)]
       continue
     kernel_fits = [(f, s) for f in _forms(parts) if (s := _fits(f, parts, kernel, None)) is not None]
     if not kernel_fits:
       raise ValueError(
-          f"{caller}: {_join(module, spec.kernel)} has shape {kernel}"
+          f"{caller}: {join(module, spec.kernel)} has shape {kernel}"
           f"{_head_hint(parts, kernel)}; it fits no kernel form of "
           f"{lay} ({_describe(parts)}): tried {_expected(parts, stack)}; a kernel stored "
           "otherwise (head axis first, torch-style (out, in), a layer axis that is not "
@@ -272,9 +269,9 @@ def detect(
       on_stack = [(f, s) for f, s in kernel_fits if s == stack]
       if not on_stack:
         raise ValueError(
-            f"{caller}: {_join(module, spec.kernel)} has shape {kernel}; expected "
+            f"{caller}: {join(module, spec.kernel)} has shape {kernel}; expected "
             f"{_expected(parts, stack)} ({_describe(parts)}), whose leading (stacked-layer) "
-            f"shape {stack} is that of {_join(module, 'max_logits')}; a kernel whose layer "
+            f"shape {stack} is that of {join(module, 'max_logits')}; a kernel whose layer "
             "axis is not leading needs its axes declared: muonclip_jax.Projection(name, "
             "axes=...), e.g. axes=('in', 'layers', 'heads', 'head_dim')"
         )
@@ -283,23 +280,23 @@ def detect(
     if not both:
       form, s = kernel_fits[0]
       raise ValueError(
-          f"{caller}: {_join(module, spec.bias)} has shape {bias}; expected "
+          f"{caller}: {join(module, spec.bias)} has shape {bias}; expected "
           f"{(*s, *_tail(form, parts))} for the {_form_label(form, parts)} kernel "
-          f"{_join(module, spec.kernel)} of shape {kernel} ({_describe(parts)}, {lay})"
+          f"{join(module, spec.kernel)} of shape {kernel} ({_describe(parts)}, {lay})"
       )
     fits[spec] = both
   if stack is not None:
     for spec, fl in fits.items():
       if fl[0][0] == DECLARED and fl[0][1] != stack:
         raise ValueError(
-            f"{caller}: {_join(module, spec.kernel)} has shape {shapes[spec.kernel]} with declared "
+            f"{caller}: {join(module, spec.kernel)} has shape {shapes[spec.kernel]} with declared "
             f"axes {spec.axes}, i.e. the stacked-layer shape {fl[0][1]}, but "
-            f"{_join(module, 'max_logits')} has the stacked-layer shape {stack}"
+            f"{join(module, 'max_logits')} has the stacked-layer shape {stack}"
         )
   else:
     common = set.intersection(*({s for _, s in f} for f in fits.values()))
     if not common:
-      found = {_join(module, n.kernel): sorted({s for _, s in f}) for n, f in fits.items()}
+      found = {join(module, n.kernel): sorted({s for _, s in f}) for n, f in fits.items()}
       raise ValueError(
           f"{caller}: the projections of {module or '<root>'!r} disagree on their leading "
           f"(stacked-layer) shape: {found} ({lay})"
@@ -311,7 +308,7 @@ def detect(
     if len(fl) > 1:
       tried = " and ".join(f"{_form_label(f, parts_of[spec])} with stacked-layer shape {s}" for f, s in fl)
       raise ValueError(
-          f"{caller}: {_join(module, spec.kernel)} has shape {shapes[spec.kernel]}, "
+          f"{caller}: {join(module, spec.kernel)} has shape {shapes[spec.kernel]}, "
           f"which fits two kernel forms of {lay}: {tried}; the form cannot be told from the "
           "shapes (a bias, max_logits with the per-layer head maxima, or "
           "muonclip_jax.Projection(name, axes=...) would tell it)"
@@ -341,8 +338,8 @@ def _check_mla_rope(
   rope = wkv_a[-1] - latent
   if rope != lay.qk_rope_head_dim:
     raise ValueError(
-        f"{caller}: {_join(module, 'wkv_a/kernel')} has shape {wkv_a}, i.e. a latent of "
-        f"{latent} columns (the input size of {_join(module, kv.spec.kernel)}) and a shared "
+        f"{caller}: {join(module, 'wkv_a/kernel')} has shape {wkv_a}, i.e. a latent of "
+        f"{latent} columns (the input size of {join(module, kv.spec.kernel)}) and a shared "
         f"rotary key of {rope} columns, but the layout says qk_rope_head_dim="
         f"{lay.qk_rope_head_dim}: {lay}; use module.layout of the attention module"
     )

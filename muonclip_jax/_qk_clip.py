@@ -48,8 +48,9 @@ from ._layouts import matching_patterns
 from ._max_logits import MAX_LOGITS as _MAX_LOGITS
 from ._max_logits import collect_max_logits as collect_max_logits
 from ._max_logits import nest_max_logits as nest_max_logits
-from ._muon import check_number
+from ._checks import check_number
 from ._paths import keystr as _path_str
+from ._paths import join
 from ._paths import strip_value as _strip_value
 from ._projections import detect, missing_projections
 from ._qk_norm import check_undeclared as check_undeclared_norms
@@ -57,10 +58,6 @@ from ._qk_norm import scale_norms
 from ._routing import names_by_path
 
 _Layout = MLALayout | GQALayout
-
-
-def _join(module: str, name: str) -> str:
-  return f"{module}/{name}" if module else name
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -280,7 +277,7 @@ def qk_clip(params: Any, max_logits: Any, *, threshold: Any, layout: Any,
     lay = _layout_for(module, layout)
     if s.shape[-1] != lay.num_heads:
       raise ValueError(
-          f"qk_clip: {_join(module, _MAX_LOGITS)} has shape {s.shape} ({s.shape[-1]} heads), "
+          f"qk_clip: {join(module, _MAX_LOGITS)} has shape {s.shape} ({s.shape[-1]} heads), "
           f"but the layout says num_heads={lay.num_heads}: {lay}"
       )
     index = by_module.get(module, {})
@@ -315,7 +312,7 @@ def _check_not_child(module: str, by_module: Mapping[str, Mapping[str, int]], le
     return
   if any(looks(parent, shapes, lay) for lay in _layouts_of(parent, layout)):
     raise ValueError(
-        f"qk_clip: {_join(module, _MAX_LOGITS)} of shape {s.shape} lies below the attention module "
+        f"qk_clip: {join(module, _MAX_LOGITS)} of shape {s.shape} lies below the attention module "
         f"{parent or '<root>'!r}, which holds the query/key projections. Per-batch maxima written by a "
         "child module (MaxText's attention_op, (..., batch, heads)) must be reduced over the batch and "
         "moved to the attention module: pass muonclip_jax.reduce_max_logits(intermediates, "

@@ -36,14 +36,11 @@ import jax
 import jax.numpy as jnp
 
 from ._layouts import GQALayout
+from ._paths import join
 
 # Sub-module names that QK-norm takes in Flax, Gemma, Hugging Face ports and this repository.
 NORM_NAMES = ("query_ln", "key_ln", "q_norm", "k_norm", "query_norm", "key_norm", "_query_norm", "_key_norm",
               "q_layernorm", "k_layernorm")
-
-
-def _join(module: str, name: str) -> str:
-  return f"{module}/{name}" if module else name
 
 
 def check_undeclared(module: str, lay: GQALayout, shapes: Mapping[str, tuple], caller: str) -> None:
@@ -55,7 +52,7 @@ def check_undeclared(module: str, lay: GQALayout, shapes: Mapping[str, tuple], c
     q = next((n for n in found if n.lstrip("_").startswith("q")), found[0])
     k = next((n for n in found if n.lstrip("_").startswith("k")), found[-1])
     raise ValueError(
-        f"{caller}: {_join(module, found[0])} looks like a QK-norm (a normalization of each head's query "
+        f"{caller}: {join(module, found[0])} looks like a QK-norm (a normalization of each head's query "
         f"or key after the projection, e.g. Flax's normalize_qk=True): it undoes any scaling of the "
         f"query/key kernels, so the clip would have no effect. Declare the norms so that the clip acts "
         f"on their scales: GQALayout(..., query_norm={q!r}, key_norm={k!r}) (add norm_scale_offset=1.0 "
@@ -71,7 +68,7 @@ def _kind(module: str, norm: str, shape: tuple, stack: tuple, heads: int, head_d
     if tail in ((heads, head_dim), (heads * head_dim,)):
       return "per_head"
   raise ValueError(
-      f"{caller}: {_join(module, norm + '/scale')} has shape {shape}; a QK-norm scale is expected to be "
+      f"{caller}: {join(module, norm + '/scale')} has shape {shape}; a QK-norm scale is expected to be "
       f"{(*stack, head_dim)} (shared by heads), {(*stack, heads, head_dim)} or {(*stack, heads * head_dim)} "
       f"(per head), where {stack} is the stacked-layer shape of the maxima"
   )
@@ -93,7 +90,7 @@ def scale_norms(module: str, lay: GQALayout, index: Mapping[str, int], leaves: l
   for role, norm, heads in (("query", lay.query_norm, lay.num_heads), ("key", lay.key_norm, lay.num_kv_heads)):
     key = f"{norm}/scale"
     if key not in index:
-      raise ValueError(f"{caller}: the layout names the {role} norm {norm!r}, but {_join(module, key)} is missing; "
+      raise ValueError(f"{caller}: the layout names the {role} norm {norm!r}, but {join(module, key)} is missing; "
                        f"parameters under {module or '<root>'!r}: {sorted(index)}")
     _kind(module, norm, jnp.shape(leaves[index[key]]), stack, heads, lay.head_dim, caller)  # checks the shape
   for role, norm, heads in (("query", lay.query_norm, lay.num_heads), ("key", lay.key_norm, lay.num_kv_heads)):
@@ -111,7 +108,7 @@ def scale_norms(module: str, lay: GQALayout, index: Mapping[str, int], leaves: l
     b = index.get(f"{norm}/bias")
     if b is not None:
       if jnp.shape(leaves[b]) != shape:
-        raise ValueError(f"{caller}: {_join(module, norm + '/bias')} has shape {jnp.shape(leaves[b])}; expected "
+        raise ValueError(f"{caller}: {join(module, norm + '/bias')} has shape {jnp.shape(leaves[b])}; expected "
                          f"{shape}, the shape of its scale")
       leaves[b] = _affine(leaves[b], factor, 0.0)
 

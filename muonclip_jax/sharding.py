@@ -38,6 +38,9 @@ from ._ns_planner import entry_axes as _axes
 from ._paths import key_name, path_str, strip_value
 from ._state_checks import check_opt_state
 
+__all__ = ["DEFAULT_RULES", "batch_shardings", "init_state", "jit_train_step", "logical_to_spec",
+           "orthogonalize_sharded", "param_shardings", "state_shardings"]
+
 MeshAxes = str | tuple[str, ...] | None
 Rules = Sequence[tuple[str, MeshAxes]]
 

@@ -26,7 +26,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .._layouts import MLALayout, _check_positive_int
+from .._checks import check_positive_int
+from .._layouts import MLALayout
 from ._attention import ATTENTION_IMPLS, AttentionImpl, attention
 from ._rope import YarnScaling, apply_rope, default_positions
 from ._rope import softmax_scale as _softmax_scale
@@ -47,7 +48,7 @@ def validate_common(
     raise ValueError(
         f"{name}: attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}"
     )
-  _check_positive_int(f"{name}: block_size", block_size)
+  check_positive_int(f"{name}: block_size", block_size)
   if not (isinstance(rope_theta, (int, float)) and rope_theta > 1.0):
     raise ValueError(f"{name}: rope_theta must be a number > 1, got {rope_theta!r}")
   if yarn is not None and not isinstance(yarn, YarnScaling):
@@ -59,8 +60,8 @@ def validate_mla(name: str, *, num_heads, q_lora_rank, kv_lora_rank, qk_nope_hea
   """Checks MLA fields with ``ValueError`` and returns the layout."""
   if not isinstance(rope_interleave, bool):
     raise ValueError(f"{name}: rope_interleave must be a bool, got {rope_interleave!r}")
-  _check_positive_int(f"{name}: q_lora_rank", q_lora_rank, allow_zero=True)
-  _check_positive_int(f"{name}: kv_lora_rank", kv_lora_rank)
+  check_positive_int(f"{name}: q_lora_rank", q_lora_rank, allow_zero=True)
+  check_positive_int(f"{name}: kv_lora_rank", kv_lora_rank)
   try:
     layout = MLALayout(num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
   except ValueError as e:

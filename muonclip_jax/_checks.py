@@ -1,0 +1,48 @@
+"""Checks of arguments when a transform or module is built: one home for every caller."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def check_number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
+                 low_open: bool = False, high_open: bool = False, schedule: bool = False) -> None:
+  """Checks a numeric hyperparameter when the optimizer is built.
+
+  Accepted: a real number (``int``, ``float``, a NumPy or JAX real scalar or 0-d array), a
+  tracer (``optax.inject_hyperparams`` under jit) and, with ``schedule=True``, a schedule
+  (any callable of the step count). A concrete number must lie in [low, high] (``low``
+  excluded with ``low_open``, ``high`` with ``high_open``) and not be NaN, else ValueError. Anything else is a
+  TypeError naming the argument: strings (``"0.95"``, which ``float()`` would take, but the
+  update would not), booleans, complex numbers, ``None``, arrays that are not scalars, and
+  a callable where no schedule is taken.
+  """
+  if (schedule and callable(value)) or isinstance(value, jax.core.Tracer):
+    return
+  real_array = (isinstance(value, (np.ndarray, np.generic, jax.Array)) and np.ndim(value) == 0
+                and any(jnp.issubdtype(value.dtype, k) for k in (jnp.integer, jnp.floating)))
+  if isinstance(value, (bool, np.bool_)) or not (isinstance(value, numbers.Real) or real_array):
+    what = "a real number or a schedule" if schedule else "a real number"
+    raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
+  v = float(value)
+  bad = math.isnan(v) or (low is not None and (v < low or (low_open and v == low)))
+  if high is not None:
+    bad = bad or v > high or (high_open and v == high)
+  if bad:
+    lo = "a number" if low is None else (f"> {low}" if low_open else f">= {low}")
+    hi = "" if high is None else (f" and < {high}" if high_open else f" and <= {high}")
+    raise ValueError(f"{name} must be {lo}{hi}, got {value!r}")
+
+
+def check_positive_int(name: str, value: object, *, allow_zero: bool = False) -> None:
+  """A Python ``int`` >= 1 (>= 0 with ``allow_zero``), else ValueError naming ``name``."""
+  ok = isinstance(value, int) and not isinstance(value, bool)
+  if not ok or value < 0 or (value == 0 and not allow_zero):
+    bound = ">= 0" if allow_zero else ">= 1"
+    raise ValueError(f"{name} must be an int {bound}, got {value!r}")
