@@ -1,8 +1,6 @@
 """make_train_step on models deeper than one attention layer: the exact clip, metrics, rng."""
 
 import json
-import pathlib
-import types
 
 import chex
 import flax.linen as nn
@@ -168,36 +166,6 @@ def test_dropout_rng_aux_outputs_grad_norm_and_float_metrics_with_microbatches()
   with pytest.raises(ValueError, match=r"batch leaf \['key'\] of shape \(\) .* step\(\.\.\., rng=key\)"):
     jax.jit(training.make_train_step(base, opt, num_microbatches=2))(
         params, opt.init(params), {"tokens": batch, "key": jax.random.key(0)})
-
-
-def _readme_block(heading):
-  """The first python code block of README.md after ``heading``."""
-  text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-  start = text.index("```python\n", text.index(heading)) + len("```python\n")
-  return text[start:text.index("```", start)]
-
-
-def test_readme_scan_and_logging_recipes_run(tmp_path, monkeypatch):
-  import flax.linen as nn
-  from _tiny_lm import BATCHES, CFG, init_params as tiny_params, make_loss_fn as tiny_loss
-  from mla_lm import Block  # on the path once _tiny_lm is imported
-
-  scope = {"Block": Block, "cfg": CFG, "num_layers": CFG.num_layers}
-  exec(_readme_block("**Stack layers with `nn.scan`.**"), scope)
-  x = jnp.ones((1, 8, CFG.dim))
-  variables = scope["layers"].init(jax.random.key(0), x, None)
-  assert nn.get_partition_spec(variables)["params"]["attn"]["wq_b"]["kernel"][0] == "layers"
-  _, state = scope["layers"].apply(variables, x, None, mutable=["intermediates"])
-  assert state["intermediates"]["attn"]["max_logits"].shape == (CFG.num_layers, CFG.num_heads)
-
-  monkeypatch.chdir(tmp_path)
-  scope = {"mc": mc, "jax": jax, "attn": types.SimpleNamespace(layout=CFG.layout), "loss_fn": tiny_loss(CFG),
-           "params": tiny_params(CFG, 0), "batches": BATCHES}
-  exec(_readme_block("**Logging.**"), scope)
-  lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  assert [r["step"] for r in lines] == [0, 1]
-  assert all(r["qk_clip_threshold"] == 100.0 and r["num_clipped"] == 0.0 and r["loss"] > 0 for r in lines)
-  assert "max_logit_per_layer/layers/attn/1" in lines[0] and "grad_norm" in lines[0]
 
 
 def test_multi_steps_metrics_and_exact_clip_act_only_at_the_real_update():
