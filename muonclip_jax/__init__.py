@@ -1,7 +1,7 @@
 """MuonClip for JAX: Muon as Optax transforms, QK-Clip over Flax parameter pytrees."""
 
 from ._accumulation import MultiStepsMaxLogitsState as MultiStepsMaxLogitsState
-from ._accumulation import multi_steps as multi_steps
+from ._multi_steps import multi_steps as multi_steps
 from ._alias import muon as muon
 from ._alias import muon_adamw as muon_adamw
 from ._layouts import GQALayout as GQALayout
@@ -18,8 +18,8 @@ from ._qk_clip import init_max_logits as init_max_logits
 from ._qk_clip import qk_clip as qk_clip
 from ._qk_clip import qk_clip_stats as qk_clip_stats
 from ._max_logits import reduce_max_logits as reduce_max_logits
-from ._routing import MatrixAxes as MatrixAxes
-from ._routing import attention_matrix_axes as attention_matrix_axes
+from ._matrix_axes import MatrixAxes as MatrixAxes
+from ._attention_axes import attention_matrix_axes as attention_matrix_axes
 from ._routing import logical_matrix_axes as logical_matrix_axes
 from ._labels import muon_labels as muon_labels
 from ._state_checks import check_opt_state as check_opt_state

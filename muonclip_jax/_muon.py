@@ -25,7 +25,9 @@ import optax
 from . import _newton_schulz
 from ._boxes import MetadataMemo
 from ._checks import check_number
-from ._routing import MatrixAxesSpec, matrix_axes_lookup, matrix_dims, path_str
+from ._matrix_axes import MatrixAxesSpec
+from ._paths import path_str
+from ._routing import matrix_axes_lookup, matrix_dims
 from ._distributed_ns import check_target, orthogonalize_leaves_sharded
 
 RMS_MODES = ("moonlight", "keller", None)

@@ -18,8 +18,9 @@ import optax
 
 from ._alias import forwards_options_of, muon_adamw
 from ._checks import check_number
-from ._qk_clip import _check_layout, qk_clip, qk_clip_stats, threshold_or_nan
-from ._routing import names_by_path
+from ._layouts import check_layout
+from ._qk_clip import qk_clip, qk_clip_stats, threshold_or_nan
+from ._boxes import names_by_path
 
 _MISSING_MAX_LOGITS = (
     "{name}: max_logits is missing, but the clip threshold is {tau!r}; pass "
@@ -99,7 +100,7 @@ def qk_clip_transform(threshold: Any, *, layout: Any) -> optax.GradientTransform
   ``max_logits`` written below the attention module as ``(..., batch, heads)`` (MaxText's
   ``attention_op``) are passed as ``muonclip_jax.reduce_max_logits(intermediates)``.
   """
-  _check_layout(layout)
+  check_layout(layout)
   if threshold is not None and not isinstance(threshold, jax.core.Tracer) and not callable(threshold):
     check_number("qk_clip_threshold", threshold, low=0.0, low_open=True)  # inf: no clip
   off = _clip_is_off(threshold)

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from ._matrix_axes import MatrixAxes
+
 AXES = ("layers", "in", "heads", "head_dim", "out", "parts")
 PARTS = ("q", "k", "v")
 
@@ -101,7 +103,6 @@ class Projection:
 
   def matrix_axes(self):
     """Muon's matrix: ``"layers"`` axes batched, ``"in"`` axes the fan-in, the rest the fan-out."""
-    from ._routing import MatrixAxes  # noqa: PLC0415
 
     if self.axes is None:
       raise ValueError(f"Projection({self.name!r}): matrix_axes needs declared axes")

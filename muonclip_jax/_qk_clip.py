@@ -46,8 +46,7 @@ from ._layouts import check_layout as _check_layout
 from ._layouts import layout_for as _layout_for
 from ._layouts import matching_patterns
 from ._max_logits import MAX_LOGITS as _MAX_LOGITS
-from ._max_logits import collect_max_logits as collect_max_logits
-from ._max_logits import nest_max_logits as nest_max_logits
+from ._max_logits import collect_max_logits, nest_max_logits
 from ._checks import check_number
 from ._paths import keystr as _path_str
 from ._paths import join
@@ -55,7 +54,7 @@ from ._paths import strip_value as _strip_value
 from ._projections import detect, missing_projections
 from ._qk_norm import check_undeclared as check_undeclared_norms
 from ._qk_norm import scale_norms
-from ._routing import names_by_path
+from ._boxes import names_by_path
 
 _Layout = MLALayout | GQALayout
 

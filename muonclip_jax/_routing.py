@@ -6,10 +6,8 @@ logical axis names only, never on values.
 
 from __future__ import annotations
 
-import dataclasses
-import fnmatch
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -17,57 +15,9 @@ import optax
 
 from ._boxes import is_box as _is_box
 from ._boxes import leaf_shape as _shape
-from ._boxes import logical_names as logical_names
-from ._boxes import names_by_path as names_by_path
+from ._boxes import logical_names, names_by_path
+from ._matrix_axes import MatrixAxes, MatrixAxesSpec
 from ._paths import path_str
-
-# Leaf names of vectors (biases, norm scales) and embedding tables: never matrices of an attention layer.
-_VECTOR_LEAF_NAMES = frozenset({"bias", "scale", "embedding"})
-
-
-@dataclasses.dataclass(frozen=True)
-class MatrixAxes:
-  """Which axes of a parameter are the rows (fan-in) and columns (fan-out) of its matrix.
-
-  Every other axis is a batch axis: the parameter is a stack of independent matrices, each
-  orthogonalized on its own. The matrix of a leaf is ``prod(fan_in sizes) x prod(fan_out
-  sizes)``. Negative axes count from the end.
-
-  Examples: a Dense kernel ``(in, out)`` is ``MatrixAxes((0,), (1,))`` (the default for
-  2-D leaves); a kernel stacked by ``nn.scan``, ``(layers, in, out)``, is
-  ``MatrixAxes((-2,), (-1,))``; a DenseGeneral kernel ``(in, heads, head_dim)`` is
-  ``MatrixAxes((0,), (1, 2))``; an output projection ``(heads, head_dim, out)`` is
-  ``MatrixAxes((0, 1), (2,))``.
-
-  Attributes:
-    fan_in: axes that form the rows.
-    fan_out: axes that form the columns.
-  """
-
-  fan_in: tuple[int, ...]
-  fan_out: tuple[int, ...]
-
-  def __post_init__(self):
-    object.__setattr__(self, "fan_in", tuple(int(a) for a in self.fan_in))
-    object.__setattr__(self, "fan_out", tuple(int(a) for a in self.fan_out))
-    if not self.fan_in or not self.fan_out:
-      raise ValueError(f"MatrixAxes needs at least one fan_in and one fan_out axis, got {self}")
-
-  def resolve(self, path: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """Returns ``(batch, fan_in, fan_out)`` axes of ``shape``, normalized to be non-negative."""
-    nd = len(shape)
-    for a in self.fan_in + self.fan_out:
-      if not -nd <= a < nd:
-        raise ValueError(f"{path}: {self} names axis {a}, but the parameter has shape {shape}")
-    fi = tuple(a % nd for a in self.fan_in)
-    fo = tuple(a % nd for a in self.fan_out)
-    if len(set(fi + fo)) != len(fi + fo):
-      raise ValueError(f"{path}: {self} repeats an axis of shape {shape}")
-    batch = tuple(a for a in range(nd) if a not in fi + fo)
-    return batch, fi, fo
-
-
-MatrixAxesSpec = MatrixAxes | Any | Callable[[Any], Any] | None
 
 # Logical axis names (Flax's nn.with_logical_partitioning, NNX sharding metadata).
 LAYERS = "layers"  # a stack of layers (nn.scan with metadata_params={nn.PARTITION_NAME: "layers"})
@@ -234,128 +184,3 @@ def matrix_dims(axes: MatrixAxes, path: str, shape: tuple[int, ...]) -> tuple[in
   """``(fan_in, fan_out)`` sizes of the matrix of a leaf."""
   _, fi, fo = axes.resolve(path, shape)
   return math.prod(shape[a] for a in fi), math.prod(shape[a] for a in fo)
-
-
-def attention_matrix_axes(layout: Any, *, value: Any = "value", out: Any = "out",
-                          default: MatrixAxes | None = None) -> Callable[[Any], Any]:
-  """``matrix_axes`` for attention kernels of the DenseGeneral form, from their layout.
-
-  ``matrix_axes=attention_matrix_axes(layout)`` makes each query, key and value kernel
-  ``(*stack, in, heads, head_dim)`` one ``in x heads*head_dim`` matrix
-  (``MatrixAxes((-3,), (-2, -1))``) and each output kernel ``(*stack, heads, head_dim, out)``
-  one ``heads*head_dim x out`` matrix (``MatrixAxes((-3, -2), (-1,))``); leading axes are
-  stacked layers. That is the form of ``flax.linen.MultiHeadDotProductAttention`` and
-  ``flax.nnx.MultiHeadAttention`` (names ``query``, ``key``, ``value``, ``out``: use
-  ``GQALayout(..., query="query", key="key")``) and of MaxText. Query/key names come from
-  the layout (GQA: ``query``/``key``; MLA: ``wq_b``/``wq`` or ``query``, and
-  ``key_value``), value and output names from ``value``/``out``. A kernel is matched only
-  when its trailing axes are the layout's ``(heads, head_dim)`` (key/value: ``num_kv_heads``;
-  MLA: ``qk_head_dim``, ``nope + v`` and ``v_head_dim`` widths).
-
-  Every other leaf, by rank:
-
-  - rank 3 or more, not a ``bias``/``scale``/``embedding``, with the trailing two axes, or
-    the two axes before the last, equal to one of those ``(heads, width)`` pairs: it is
-    almost surely a DenseGeneral projection under a name the layout was not told, and
-    ``default`` would split it into per-head or per-row matrices, so ValueError naming the
-    path and shape (pass ``value=``/``out=``, the layout's names, or ``matrix_axes`` for it).
-    A leaf that carries logical axis names is left at None instead: its names decide.
-  - rank 3: ``default`` (e.g. ``MatrixAxes((-2,), (-1,))`` for the other kernels of a
-    ``nn.scan`` stack, ``(layers, in, out)``).
-  - any other rank: None (resolved by logical names, as a 2-D matrix, or with a ValueError).
-    ``default`` is not applied at rank 4 or more, where a stacked ``(layers, heads,
-    head_dim, out)`` kernel and a stack of matrices cannot be told apart.
-
-  Args:
-    layout: a ``GQALayout``/``MLALayout``, or a mapping from module-path glob patterns to them.
-    value: name of the value projection (GQA), or a ``muonclip_jax.Projection``.
-    out: name of the output projection, or a ``Projection`` (an output kernel
-      ``(heads, head_dim, embed)`` declares ``axes=("in", "in", "out")``).
-    default: ``MatrixAxes`` for every other leaf of rank 3, or None.
-
-  A projection declared with ``muonclip_jax.Projection(name, leaf=..., axes=...)`` (in the
-  layout or as ``value``/``out``) gets the matrix of its declaration, at any rank:
-  ``"layers"`` axes batched, ``"in"`` axes the fan-in, every other axis the fan-out; a
-  declared kernel whose rank differs from its axes is a ValueError.
-  """
-  from ._layouts import GQALayout, MLALayout  # noqa: PLC0415 (no import cycle at load time)
-  from ._projection import as_projection  # noqa: PLC0415
-
-  layouts = layout if isinstance(layout, Mapping) else {"*": layout}
-  for lay in layouts.values():
-    if not isinstance(lay, (GQALayout, MLALayout)):
-      raise TypeError(f"attention_matrix_axes: expected a GQALayout or MLALayout (or a mapping to them), got {lay!r}")
-  in_axes, out_axes = MatrixAxes((-3,), (-2, -1)), MatrixAxes((-3, -2), (-1,))
-  value, out = as_projection(value), as_projection(out)
-
-  def projections(lay) -> dict[str, tuple[tuple[int, ...] | None, MatrixAxes, Any]]:
-    """{kernel path relative to the module: (expected trailing shape, axes, declared axes)}."""
-    if isinstance(lay, GQALayout):
-      hd, kv = (lay.num_heads, lay.head_dim), (lay.num_kv_heads, lay.head_dim)
-      if lay.qkv is not None:  # fused (in, 3, heads, head_dim): one in x 3*heads*head_dim matrix
-        found = [(lay.qkv, (3, *hd), MatrixAxes((-4,), (-3, -2, -1)))]
-      else:
-        found = [(lay.query, hd, in_axes), (lay.key, kv, in_axes)]
-      found += [(value, kv, in_axes), (out, hd, out_axes)]
-    else:
-      h = lay.num_heads
-      found = [(q, (h, lay.qk_head_dim), in_axes) for q in ((lay.query,) if lay.query else ("wq_b", "wq"))]
-      found += [(lay.key_value, (h, lay.qk_nope_head_dim + lay.v_head_dim), in_axes), (out, (h, lay.v_head_dim), out_axes)]
-    table = {}
-    for proj, trailing, axes in found:
-      proj = as_projection(proj)
-      table[proj.kernel] = (trailing, axes, proj.axes) if proj.axes is None else (None, proj.matrix_axes(), proj.axes)
-    return table
-
-  # (heads, width) pairs of every projection of every layout: an unmatched leaf ending in one
-  # of them is a DenseGeneral kernel under a name this helper was not told.
-  head_shapes = {tuple(t[-2:]) for lay in layouts.values() for t, _, _ in projections(lay).values() if t}
-
-  def declared(path: str, shape: tuple[int, ...]) -> MatrixAxes | None:
-    matches = []
-    for pattern, lay in layouts.items():
-      for rel, (trailing, axes, decl) in projections(lay).items():
-        if path != rel and not path.endswith("/" + rel):
-          continue
-        module = path[: len(path) - len(rel)].rstrip("/")
-        if fnmatch.fnmatchcase(module, pattern):
-          matches.append((trailing, axes, decl))
-    if len(matches) != 1 and len({(a, d) for _, a, d in matches}) != 1:
-      return None
-    trailing, axes, decl = matches[0]
-    if decl is not None:
-      if len(decl) != len(shape):
-        raise ValueError(f"{path}: attention_matrix_axes: declared axes {decl} do not match the shape {shape}")
-      return axes
-    if len(shape) < 3:
-      return None
-    got = shape[-3:-1] if axes is out_axes else shape[-len(trailing):]
-    return axes if len(shape) > len(trailing) and tuple(got) == trailing else None
-
-  def axes_for(path: str, shape: tuple[int, ...], named: bool) -> MatrixAxes | None:
-    parts = path.split("/")
-    found = declared(path, shape)
-    if found is not None:
-      return found
-    if len(shape) < 3 or parts[-1].lower() in _VECTOR_LEAF_NAMES:
-      return None
-    if tuple(shape[-2:]) in head_shapes or tuple(shape[-3:-1]) in head_shapes:
-      if named:
-        return None
-      names = sorted({n.rsplit("/", 1)[0] for lay in layouts.values() for n in projections(lay)})
-      raise ValueError(
-          f"{path}: attention_matrix_axes: a parameter of shape {shape} has, last or before its last axis, the "
-          f"(heads, head width) of the layout's projections {sorted(head_shapes)}, so it looks like a DenseGeneral "
-          "attention kernel, but its "
-          f"name matches none of the projections {names}, and a stack-of-matrices default would orthogonalize it "
-          "per head or per row instead of as one matrix. If it is the value or output projection, "
-          "pass value=/out= with its name or a muonclip_jax.Projection declaring its axes (query/key names "
-          "are the layout's); otherwise pass matrix_axes for it explicitly")
-    return default if len(shape) == 3 else None
-
-  def spec(params: Any) -> Any:
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: axes_for(path_str(p), _shape(x), _is_box(x) and logical_names(x) is not None),
-        params, is_leaf=_is_box)
-
-  return spec

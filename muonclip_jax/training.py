@@ -25,7 +25,8 @@ from ._exact_clip import exact_clip_with_factors as _exact_clip
 from ._exact_clip import exact_qk_clip as exact_qk_clip
 from ._checks import check_number
 from ._muonclip import QKClipState
-from ._qk_clip import clip_decisions, collect_max_logits, nest_max_logits, qk_clip_stats, threshold_or_nan
+from ._max_logits import collect_max_logits, nest_max_logits
+from ._qk_clip import clip_decisions, qk_clip_stats, threshold_or_nan
 from ._state_checks import check_opt_state
 
 __all__ = ["applied_clip_metrics", "clip_metrics", "exact_qk_clip", "make_train_step", "metrics_to_floats"]

@@ -10,7 +10,7 @@ import pytest
 
 import muonclip_jax as mc
 from muonclip_jax import training
-from muonclip_jax._qk_clip import collect_max_logits
+from muonclip_jax._max_logits import collect_max_logits
 from _tiny_lm import BATCHES, CFG, init_params, make_loss_fn, matrix_axes
 
 LR = 0.1  # high enough for plain Muon's max logit to pass TAU within a few steps

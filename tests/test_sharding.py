@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import muonclip_jax as mc
 from muonclip_jax import _newton_schulz, sharding, training
-from muonclip_jax._qk_clip import collect_max_logits
+from muonclip_jax._max_logits import collect_max_logits
 from _tiny_lm import CFG, init_params, make_loss_fn, matrix_axes
 from mla_lm import logical_axes
 

@@ -12,7 +12,7 @@ import pytest
 
 import muonclip_jax as mc
 from muonclip_jax import training
-from muonclip_jax._qk_clip import collect_max_logits
+from muonclip_jax._max_logits import collect_max_logits
 from _deep_lm import DeepConfig, batches, init_params, make_loss_fn
 
 AXES = mc.MatrixAxes((-2,), (-1,))
