@@ -48,6 +48,7 @@ from . import _newton_schulz
 from . import _ns_hybrid as hybrid
 from . import _ns_planner as planner
 from . import _split_ns
+from ._matrix_axes import from_matrices, to_matrices
 from ._paths import path_str
 
 
@@ -89,21 +90,12 @@ def describe(xs: Sequence[Any], axes: Sequence[tuple], mesh: Mesh,
 
 def _to_wide(lf: planner.Leaf, x: jax.Array) -> jax.Array:
   """Local block -> ``(count, bm, bn)``: the local blocks of its wide matrices."""
-  perm = lf.batch + lf.fan_in + lf.fan_out
-  moved = jnp.transpose(x, perm) if perm != tuple(range(x.ndim)) else x
-  w = moved.reshape((lf.count, math.prod(x.shape[a] for a in lf.fan_in), math.prod(x.shape[a] for a in lf.fan_out)))
-  return jnp.swapaxes(w, -1, -2) if lf.tall else w
+  return to_matrices(x, lf.batch, lf.fan_in, lf.fan_out, transpose=lf.tall)
 
 
 def _from_wide(lf: planner.Leaf, w: jax.Array, local_shape: tuple[int, ...]) -> jax.Array:
   """Inverse of ``_to_wide``."""
-  perm = lf.batch + lf.fan_in + lf.fan_out
-  if lf.tall:
-    w = jnp.swapaxes(w, -1, -2)
-  out = w.reshape(tuple(local_shape[a] for a in perm))
-  if perm != tuple(range(len(perm))):
-    out = jnp.transpose(out, tuple(perm.index(a) for a in range(len(perm))))
-  return out
+  return from_matrices(w, local_shape, lf.batch, lf.fan_in, lf.fan_out, transpose=lf.tall)
 
 
 def _pack(pieces: list[jax.Array], width: int, dtype: Any, lead: int) -> jax.Array:

@@ -1,10 +1,19 @@
-"""``MatrixAxes``: which axes of a parameter are the rows and columns of Muon's matrix."""
+"""``MatrixAxes``: which axes of a parameter are the rows and columns of Muon's matrix.
+
+``to_matrices``/``from_matrices`` turn a leaf into the ``(count, rows, cols)`` stack of its
+matrices and back; Muon (``_muon``) and the distributed Newton–Schulz (``_distributed_ns``)
+both use them.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,3 +59,31 @@ class MatrixAxes:
 
 
 MatrixAxesSpec = MatrixAxes | Any | Callable[[Any], Any] | None
+
+
+def to_matrices(x: jax.Array, batch: tuple[int, ...], fan_in: tuple[int, ...], fan_out: tuple[int, ...], *,
+                transpose: bool = False) -> jax.Array:
+  """``x`` as the ``(count, rows, cols)`` stack of its matrices (``(count, cols, rows)`` with ``transpose``).
+
+  ``batch``, ``fan_in`` and ``fan_out`` are non-negative axes of ``x``
+  (``MatrixAxes.resolve``): the batch axes are flattened into ``count``, the fan-in axes
+  into ``rows`` and the fan-out axes into ``cols``, each in the order given.
+  """
+  perm = batch + fan_in + fan_out
+  moved = x if perm == tuple(range(x.ndim)) else jnp.transpose(x, perm)
+  rows = math.prod(x.shape[a] for a in fan_in)
+  cols = math.prod(x.shape[a] for a in fan_out)
+  w = moved.reshape((math.prod(x.shape[a] for a in batch), rows, cols))
+  return jnp.swapaxes(w, -1, -2) if transpose else w
+
+
+def from_matrices(w: jax.Array, shape: tuple[int, ...], batch: tuple[int, ...], fan_in: tuple[int, ...],
+                  fan_out: tuple[int, ...], *, transpose: bool = False) -> jax.Array:
+  """The inverse of ``to_matrices``: a stack of matrices back into a leaf of shape ``shape``."""
+  perm = batch + fan_in + fan_out
+  if transpose:
+    w = jnp.swapaxes(w, -1, -2)
+  out = w.reshape(tuple(shape[a] for a in perm))
+  if perm != tuple(range(len(shape))):
+    out = jnp.transpose(out, tuple(perm.index(a) for a in range(len(shape))))
+  return out

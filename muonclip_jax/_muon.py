@@ -25,7 +25,7 @@ import optax
 from . import _newton_schulz
 from ._boxes import MetadataMemo
 from ._checks import check_number
-from ._matrix_axes import MatrixAxesSpec
+from ._matrix_axes import MatrixAxesSpec, from_matrices, to_matrices
 from ._paths import path_str
 from ._routing import matrix_axes_lookup, matrix_dims
 from ._distributed_ns import check_target, orthogonalize_leaves_sharded
@@ -37,29 +37,6 @@ class ScaleByMuonState(NamedTuple):
   """State of ``scale_by_muon``."""
 
   mu: optax.Updates  # momentum M_t; shapes of the params, dtype mu_dtype (default: the params')
-
-
-def _stack(d: jax.Array, batch: tuple[int, ...], fan_in: tuple[int, ...], fan_out: tuple[int, ...],
-           wide: bool) -> jax.Array:
-  """``d`` as a ``(count, rows, cols)`` stack of its matrices; tall ones transposed if ``wide``."""
-  perm = batch + fan_in + fan_out
-  moved = d if perm == tuple(range(d.ndim)) else jnp.transpose(d, perm)
-  r = math.prod(d.shape[a] for a in fan_in)
-  c = math.prod(d.shape[a] for a in fan_out)
-  w = moved.reshape((math.prod(d.shape[a] for a in batch), r, c))
-  return jnp.swapaxes(w, -1, -2) if wide and r > c else w
-
-
-def _unstack(w: jax.Array, shape: tuple[int, ...], batch: tuple[int, ...], fan_in: tuple[int, ...],
-             fan_out: tuple[int, ...], wide: bool) -> jax.Array:
-  """Inverse of ``_stack`` for a leaf of shape ``shape``."""
-  perm = batch + fan_in + fan_out
-  if wide and math.prod(shape[a] for a in fan_in) > math.prod(shape[a] for a in fan_out):
-    w = jnp.swapaxes(w, -1, -2)
-  out = w.reshape(tuple(shape[a] for a in perm))
-  if perm != tuple(range(len(shape))):
-    out = jnp.transpose(out, tuple(perm.index(a) for a in range(len(shape))))
-  return out
 
 
 def _after(tree: Any, done: list) -> Any:
@@ -95,12 +72,13 @@ def orthogonalize_leaves(gs: list, ms: list, specs: list, direction: Any, finish
   if target is not None:
     return orthogonalize_leaves_sharded(gs, ms, specs, direction, finish, paths=paths, target=target,
                                         ns_kwargs=ns_kwargs, split=split)
-  keys, counts = [], []
+  keys, counts, tall = [], [], []
   for g, (b, fi, fo) in zip(gs, specs):
     r = math.prod(g.shape[a] for a in fi)
     c = math.prod(g.shape[a] for a in fo)
     keys.append((min(r, c), max(r, c), jnp.result_type(g)))
     counts.append(math.prod(g.shape[a] for a in b))
+    tall.append(r > c)
   chunks, open_chunk = [], {}
   for i, (key, count) in enumerate(zip(keys, counts)):
     cur = open_chunk.get(key)
@@ -123,12 +101,13 @@ def orthogonalize_leaves(gs: list, ms: list, specs: list, direction: Any, finish
     raw = [(gs[i], ms[i]) for i in chunk]
     if prev:  # wait for the previous call (see the docstring)
       raw = _after(raw, [result[i] for i in prev])
-    stacks = [_stack(direction(g, m), *specs[i], wide) for i, (g, m) in zip(chunk, raw)]
+    stacks = [to_matrices(direction(g, m), *specs[i], transpose=wide and tall[i]) for i, (g, m) in zip(chunk, raw)]
     x = stacks[0] if len(stacks) == 1 else jnp.concatenate(stacks, axis=0)
     out = ns(x) if batch is None or x.shape[0] <= batch else jax.lax.map(ns, x, batch_size=batch)
     start = 0
     for i in chunk:
-      result[i] = finish(i, _unstack(out[start:start + counts[i]], gs[i].shape, *specs[i], wide))
+      result[i] = finish(i, from_matrices(out[start:start + counts[i]], gs[i].shape, *specs[i],
+                                          transpose=wide and tall[i]))
       start += counts[i]
     prev = chunk
   return result
