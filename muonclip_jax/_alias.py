@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -13,51 +11,38 @@ import numpy as np
 import optax
 
 from ._checks import check_number
+from ._matrix_axes import MatrixAxesSpec
 from ._muon import scale_by_muon
 from ._labels import ADAM, MUON, muon_labels, remembering_labels
 
 
-def forwards_options_of(inner: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-  """Decorator: ``fn(..., **options)`` hands ``options`` on to ``inner``.
-
-  The decorated function's signature lists ``inner``'s options (every parameter but
-  ``learning_rate``, as keyword-only, with ``inner``'s defaults) after its own, so that
-  ``inspect.signature`` and ``optax.inject_hyperparams`` see, and can inject, each of them,
-  and every option is written down once, where it is used. An unknown keyword argument is a
-  TypeError that names the decorated function and lists its options (not ``inner``'s error).
-  """
-
-  def wrap(fn):
-    own = [p for p in inspect.signature(fn).parameters.values() if p.kind is not p.VAR_KEYWORD]
-    names = {p.name for p in own} | {"learning_rate"}
-    rest = [p.replace(kind=p.KEYWORD_ONLY) for p in inspect.signature(inner).parameters.values()
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in names]
-    signature = inspect.Signature(own + rest, return_annotation=inspect.signature(fn).return_annotation)
-    options = [p.name for p in signature.parameters.values() if p.kind is p.KEYWORD_ONLY]
-
-    @functools.wraps(fn)
-    def checked(*args, **kwargs):
-      unknown = sorted(set(kwargs) - set(signature.parameters))
-      if unknown:
-        raise TypeError(f"{fn.__name__}() got unknown keyword argument(s) {', '.join(map(repr, unknown))}; "
-                        f"its options are: {', '.join(options)}")
-      return fn(*args, **kwargs)
-
-    checked.__signature__ = signature
-    return checked
-
-  return wrap
-
-
-@forwards_options_of(scale_by_muon)
 def muon(
     learning_rate: optax.ScalarOrSchedule,
     *,
-    weight_decay: float = 0.1,
+    weight_decay: optax.ScalarOrSchedule = 0.1,
     weight_decay_mask: Any = None,
-    **muon_options: Any,
+    beta: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int | None = None,
+    ns_coeffs: Any = "polar_express_4",
+    ns_method: str = "auto",
+    ns_normalize: str | None = None,
+    ns_restarts: Sequence[int] = (),
+    ns_batch: int | None = None,
+    eps: float = 1e-7,
+    compute_dtype: Any = None,
+    mu_dtype: Any = None,
+    rms_match: str | None = "moonlight",
+    rms_scale: float = 0.2,
+    matrix_axes: MatrixAxesSpec = None,
+    shard_orthogonalization: Any = None,
+    shard_split: str = "auto",
 ) -> optax.GradientTransformation:
   """Muon for weight matrices, as in Kimi K2 (arXiv 2507.20534, Algorithm 1).
+
+  Muon only, for a tree of matrices: unlike ``optax.contrib.muon`` (Muon on matrices and
+  Adam on the rest), nothing here goes to Adam; ``muon_adamw`` is the whole-model
+  optimizer that corresponds to ``optax.contrib.muon``.
 
   ``theta <- theta - lr * (O + weight_decay * theta)``, with ``O`` the RMS-matched
   orthogonalized momentum of ``scale_by_muon`` (decoupled weight decay, Loshchilov & Hutter;
@@ -67,33 +52,66 @@ def muon(
 
   Args:
     learning_rate: a scalar or an optax schedule.
-    weight_decay: decoupled weight decay (Moonlight/Kimi: 0.1); must be >= 0.
+    weight_decay: decoupled weight decay (Moonlight/Kimi: 0.1), a number >= 0 or a schedule.
     weight_decay_mask: optional mask or callable, as in ``optax.add_decayed_weights``.
-    **muon_options: the options of ``scale_by_muon`` (``beta``, ``nesterov``, the ``ns_*``
-      Newton–Schulz options, ``eps``, ``compute_dtype``, ``mu_dtype``, ``rms_match``,
-      ``rms_scale``, ``matrix_axes``, ``shard_orthogonalization``, ``shard_split``), with its defaults.
+    beta, nesterov, ns_steps, ns_coeffs, ns_method, ns_normalize, ns_restarts, ns_batch,
+      eps, compute_dtype, mu_dtype, rms_match, rms_scale, matrix_axes,
+      shard_orthogonalization, shard_split: the options of ``scale_by_muon``, with its
+      defaults.
+
+  Returns:
+    An ``optax.GradientTransformation``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, muonclip_jax as mc
+    >>> params = {"w": jnp.ones((4, 8))}
+    >>> opt = mc.muon(0.02)
+    >>> state = opt.init(params)
+    >>> grads = {"w": jax.random.normal(jax.random.key(0), (4, 8))}
+    >>> updates, state = opt.update(grads, state, params)
+    >>> optax.apply_updates(params, updates)["w"].shape
+    (4, 8)
   """
   check_number("learning_rate", learning_rate, schedule=True)
   check_number("weight_decay", weight_decay, low=0.0, schedule=True)
   return optax.chain(
-      scale_by_muon(**muon_options),
+      scale_by_muon(beta, nesterov=nesterov, ns_steps=ns_steps, ns_coeffs=ns_coeffs, ns_method=ns_method,
+                    ns_normalize=ns_normalize, ns_restarts=ns_restarts, ns_batch=ns_batch, eps=eps,
+                    compute_dtype=compute_dtype, mu_dtype=mu_dtype, rms_match=rms_match, rms_scale=rms_scale,
+                    matrix_axes=matrix_axes, shard_orthogonalization=shard_orthogonalization,
+                    shard_split=shard_split),
       optax.add_decayed_weights(weight_decay, weight_decay_mask),
       optax.scale_by_learning_rate(learning_rate),
   )
 
 
-@forwards_options_of(muon)
 def muon_adamw(
     learning_rate: optax.ScalarOrSchedule,
     *,
-    weight_decay: float = 0.1,
+    weight_decay: optax.ScalarOrSchedule = 0.1,
     labels: Any = None,
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
     adam_b1: float = 0.9,
     adam_b2: float = 0.95,
     adam_eps: float = 1e-8,
-    adam_weight_decay: float | None = None,
-    **muon_options: Any,
+    adam_weight_decay: optax.ScalarOrSchedule | None = None,
+    weight_decay_mask: Any = None,
+    beta: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int | None = None,
+    ns_coeffs: Any = "polar_express_4",
+    ns_method: str = "auto",
+    ns_normalize: str | None = None,
+    ns_restarts: Sequence[int] = (),
+    ns_batch: int | None = None,
+    eps: float = 1e-7,
+    compute_dtype: Any = None,
+    mu_dtype: Any = None,
+    rms_match: str | None = "moonlight",
+    rms_scale: float = 0.2,
+    matrix_axes: MatrixAxesSpec = None,
+    shard_orthogonalization: Any = None,
+    shard_split: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
   """The optimizer for a whole model: Muon on hidden matrices, AdamW on the rest.
 
@@ -113,9 +131,11 @@ def muon_adamw(
     adam_learning_rate: AdamW's learning rate; defaults to ``learning_rate``.
     adam_b1, adam_b2, adam_eps: AdamW moments (Moonlight: 0.9, 0.95, 1e-8).
     adam_weight_decay: AdamW's decoupled weight decay; defaults to ``weight_decay``.
-    **muon_options: Muon's other options (see ``muon`` and ``scale_by_muon``);
-      ``mu_dtype`` applies to AdamW's first moment too, and so does ``weight_decay_mask``
-      to AdamW's weight decay (below).
+    weight_decay_mask: which leaves are decayed, in both halves (below).
+    beta, nesterov, ns_steps, ns_coeffs, ns_method, ns_normalize, ns_restarts, ns_batch,
+      eps, compute_dtype, mu_dtype, rms_match, rms_scale, matrix_axes,
+      shard_orthogonalization, shard_split: Muon's options (``scale_by_muon``), with its
+      defaults; ``mu_dtype`` applies to AdamW's first moment too.
 
   ``weight_decay_mask`` (as in ``optax.add_decayed_weights``: ``True`` where a leaf is
   decayed) applies to both halves. A pytree mask has the structure of the whole params:
@@ -138,8 +158,29 @@ def muon_adamw(
     (a 1-layer model's state on a 3-layer model) broadcasts into the update silently.
     ``make_train_step`` refuses it at its first trace; in a loop of your own call
     ``check_opt_state(state, optimizer=opt, params=params)`` after restoring a checkpoint.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` (extra arguments such as ``max_logits``
+    are accepted and ignored).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, muonclip_jax as mc
+    >>> params = {"embed": {"embedding": jnp.ones((16, 8))}, "mlp": {"kernel": jnp.ones((8, 8))}}
+    >>> mc.muon_labels(params)
+    {'embed': {'embedding': 'adam'}, 'mlp': {'kernel': 'muon'}}
+    >>> opt = mc.muon_adamw(3e-3)
+    >>> state = opt.init(params)
+    >>> grads = jax.tree.map(lambda p: 0.1 * jnp.ones_like(p), params)
+    >>> updates, state = opt.update(grads, state, params)
+    >>> jax.tree.map(jnp.shape, updates)
+    {'embed': {'embedding': (16, 8)}, 'mlp': {'kernel': (8, 8)}}
   """
-  muon_half = muon(learning_rate, weight_decay=weight_decay, **muon_options)  # checks Muon's options first
+  muon_half = muon(  # checks Muon's options first
+      learning_rate, weight_decay=weight_decay, weight_decay_mask=weight_decay_mask, beta=beta,
+      nesterov=nesterov, ns_steps=ns_steps, ns_coeffs=ns_coeffs, ns_method=ns_method, ns_normalize=ns_normalize,
+      ns_restarts=ns_restarts, ns_batch=ns_batch, eps=eps, compute_dtype=compute_dtype, mu_dtype=mu_dtype,
+      rms_match=rms_match, rms_scale=rms_scale, matrix_axes=matrix_axes,
+      shard_orthogonalization=shard_orthogonalization, shard_split=shard_split)
   adam_wd = weight_decay if adam_weight_decay is None else adam_weight_decay
   check_number("adam_weight_decay", adam_wd, low=0.0, schedule=True)
   if adam_learning_rate is not None:
@@ -155,8 +196,8 @@ def muon_adamw(
           b2=adam_b2,
           eps=adam_eps,
           weight_decay=adam_wd,
-          mu_dtype=muon_options.get("mu_dtype"),
-          mask=muon_options.get("weight_decay_mask"),
+          mu_dtype=mu_dtype,
+          mask=weight_decay_mask,
       ),
   }
   if labels is None or callable(labels):  # read once from boxed params (nnx.Optimizer's init), reused at update

@@ -1,23 +1,45 @@
-"""Deprecated spellings of renamed arguments: accepted for one release, with a DeprecationWarning.
+"""Deprecated spellings and values: accepted for one release, with a DeprecationWarning.
 
-Each rename is listed in ``CHANGELOG.md``. The warning points at the caller's line
-(``stacklevel``), so a caller sees where to change the name.
+Each deprecation is listed in ``CHANGELOG.md``. The warning is attributed to the first
+caller outside this library (and outside Flax's module machinery, which constructs Linen
+modules), so the user sees the line to change, however deep inside the library the
+deprecated argument is read, and Python's default filter (which shows a
+DeprecationWarning only when it is attributed to ``__main__``) shows it to a script.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+# Modules whose frames stand between a user's call and the place that warns.
+_INTERNAL = ("muonclip_jax", "flax", "dataclasses", "functools", "contextlib")
 
-def warn_renamed(owner: str, old: str, new: str, *, stacklevel: int = 3) -> None:
+
+def user_stacklevel() -> int:
+  """The ``stacklevel`` of ``warnings.warn``, called by this function's caller, that names the user's line."""
+  frame = sys._getframe(2)  # the caller of warnings.warn's caller
+  level = 2
+  while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in _INTERNAL:
+    frame = frame.f_back
+    level += 1
+  return level
+
+
+def warn_deprecated(message: str) -> None:
+  """A DeprecationWarning with ``message``, attributed to the user's line."""
+  warnings.warn(message, DeprecationWarning, stacklevel=user_stacklevel())
+
+
+def warn_renamed(owner: str, old: str, new: str) -> None:
   """Warns that ``owner``'s argument ``old`` is now spelled ``new``."""
   warnings.warn(f"{owner}: {old!r} is deprecated and will be removed in the next release; use {new!r}",
-                DeprecationWarning, stacklevel=stacklevel)
+                DeprecationWarning, stacklevel=user_stacklevel())
 
 
 def renamed_keywords(**old_to_new: str) -> Callable[[F], F]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -53,7 +54,7 @@ def _after(tree: Any, done: list) -> Any:
 
 
 def orthogonalize_leaves(gs: list, ms: list, specs: list, direction: Any, finish: Any, *,
-                         batch: int | None, target: Any = None, paths: Any = (), split: str = "auto",
+                         batch: int, target: Any = None, paths: Any = (), split: str = "auto",
                          **ns_kwargs: Any) -> list:
   """``finish(i, NewtonSchulz(direction(g_i, m_i)))`` for every leaf pair ``(g_i, m_i)``.
 
@@ -64,7 +65,7 @@ def orthogonalize_leaves(gs: list, ms: list, specs: list, direction: Any, finish
   not used).
   Otherwise matrices of the same
   ``min x max`` size and dtype (tall ones transposed) are grouped, in leaf order, into
-  calls of at most ``batch`` matrices (``None``: no limit; a stacked leaf with more goes
+  calls of at most ``batch`` matrices (a stacked leaf with more goes
   through ``lax.map`` in slices of ``batch``). The calls run one after another: each call's
   inputs depend on the previous call's finished leaves (``_after``), so XLA keeps the
   temporaries of one call alive at a time instead of scheduling all calls at once.
@@ -82,19 +83,19 @@ def orthogonalize_leaves(gs: list, ms: list, specs: list, direction: Any, finish
   chunks, open_chunk = [], {}
   for i, (key, count) in enumerate(zip(keys, counts)):
     cur = open_chunk.get(key)
-    if cur is not None and batch is not None and sum(counts[j] for j in cur) + count > batch:
+    if cur is not None and sum(counts[j] for j in cur) + count > batch:
       cur = None
     if cur is None:
       cur = []
       chunks.append(cur)
-      if batch is None or count < batch:
+      if count < batch:
         open_chunk[key] = cur
     cur.append(i)
 
   def ns(x):
     return _newton_schulz.newton_schulz(x, **ns_kwargs)
 
-  wide = batch is None or batch > 1  # group tall matrices with the wide ones of their shape
+  wide = batch > 1  # group tall matrices with the wide ones of their shape
   result = [None] * len(gs)
   prev: list = []
   for chunk in chunks:
@@ -103,7 +104,7 @@ def orthogonalize_leaves(gs: list, ms: list, specs: list, direction: Any, finish
       raw = _after(raw, [result[i] for i in prev])
     stacks = [to_matrices(direction(g, m), *specs[i], transpose=wide and tall[i]) for i, (g, m) in zip(chunk, raw)]
     x = stacks[0] if len(stacks) == 1 else jnp.concatenate(stacks, axis=0)
-    out = ns(x) if batch is None or x.shape[0] <= batch else jax.lax.map(ns, x, batch_size=batch)
+    out = ns(x) if x.shape[0] <= batch else jax.lax.map(ns, x, batch_size=batch)
     start = 0
     for i in chunk:
       result[i] = finish(i, from_matrices(out[start:start + counts[i]], gs[i].shape, *specs[i],
@@ -130,7 +131,7 @@ def scale_by_muon(
     ns_coeffs: Any = "polar_express_4",
     ns_method: str = "auto",
     ns_normalize: str | None = None,
-    ns_restarts: Any = (),
+    ns_restarts: Sequence[int] = (),
     ns_batch: int | None = None,
     eps: float = 1e-7,
     compute_dtype: Any = None,
@@ -172,10 +173,11 @@ def scale_by_muon(
       (static; see ``newton_schulz``).
     ns_restarts: Gram restarts, static step indices (see ``newton_schulz``).
     ns_batch: how many same-shaped matrices (tall ones transposed) go into one batched
-      Newton–Schulz call (static). ``None`` (default) is 1: on a CPU batching saves no time
-      and each batched call's temporaries grow with its size; on accelerators, batching
-      small matrices saves kernel launches. Under ``optax.inject_hyperparams`` pass
-      ``static_args=("ns_batch",)``.
+      Newton–Schulz call: a static int >= 1, or ``None`` (default) for 1. On a CPU
+      batching saves no time and each batched call's temporaries grow with its size; on
+      accelerators, batching small matrices saves kernel launches. (``None`` rather than
+      ``1`` as the default keeps it out of ``optax.inject_hyperparams``, which injects every
+      numeric default; to pass a number under it, name ``static_args=("ns_batch",)``.)
     eps: Newton–Schulz norm epsilon; a zero gradient gives a zero update. It is a floor on
       the normalization (see ``newton_schulz``): a direction whose Frobenius norm is not
       well above ``eps`` (entries of 1e-30, say) gives an update near zero instead of an
@@ -225,7 +227,7 @@ def scale_by_muon(
   if ns_batch is not None and (isinstance(ns_batch, bool) or not isinstance(ns_batch, numbers.Integral)
                                or ns_batch < 1):
     raise ValueError(f"ns_batch must be None or an int >= 1, got {ns_batch!r}")
-  batch = 1 if ns_batch is None else int(ns_batch)
+  batch = 1 if ns_batch is None else int(ns_batch)  # orthogonalize_leaves takes the number itself
   check_number("beta", beta, low=0.0, high=1.0, high_open=True)
   check_number("rms_scale", rms_scale, low=0.0)
   check_number("eps", eps, low=0.0)

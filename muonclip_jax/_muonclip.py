@@ -10,15 +10,17 @@ so that ``optax.apply_updates(params, u')`` gives the clipped parameters.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from ._alias import forwards_options_of, muon_adamw
+from ._alias import muon_adamw
 from ._checks import check_number
 from ._layouts import check_layout
+from ._matrix_axes import MatrixAxesSpec
 from ._qk_clip import qk_clip, qk_clip_stats, threshold_or_nan
 from ._boxes import names_by_path
 
@@ -146,13 +148,35 @@ def qk_clip_transform(threshold: Any, *, layout: Any) -> optax.GradientTransform
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-@forwards_options_of(muon_adamw)
 def muonclip(
     learning_rate: optax.ScalarOrSchedule,
     *,
     layout: Any,
     qk_clip_threshold: Any = 100.0,
-    **muon_adamw_kwargs: Any,
+    weight_decay: optax.ScalarOrSchedule = 0.1,
+    labels: Any = None,
+    adam_learning_rate: optax.ScalarOrSchedule | None = None,
+    adam_b1: float = 0.9,
+    adam_b2: float = 0.95,
+    adam_eps: float = 1e-8,
+    adam_weight_decay: optax.ScalarOrSchedule | None = None,
+    weight_decay_mask: Any = None,
+    beta: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int | None = None,
+    ns_coeffs: Any = "polar_express_4",
+    ns_method: str = "auto",
+    ns_normalize: str | None = None,
+    ns_restarts: Sequence[int] = (),
+    ns_batch: int | None = None,
+    eps: float = 1e-7,
+    compute_dtype: Any = None,
+    mu_dtype: Any = None,
+    rms_match: str | None = "moonlight",
+    rms_scale: float = 0.2,
+    matrix_axes: MatrixAxesSpec = None,
+    shard_orthogonalization: Any = None,
+    shard_split: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
   """MuonClip (Kimi K2, arXiv 2507.20534, Algorithm 1): ``muon_adamw`` then QK-Clip.
 
@@ -183,17 +207,47 @@ def muonclip(
       ValueError at trace time, never a silent no-clip. A traced tau that turns NaN, zero
       or negative clips nothing and shows as NaN in ``QKClipState.threshold``
       (``qk_clip_threshold_valid`` False in ``make_train_step``'s metrics).
-    **muon_adamw_kwargs: every keyword argument of ``muon_adamw`` (``weight_decay=0.1``,
-      ``labels``, ``matrix_axes``, the AdamW and Newton–Schulz options), with its defaults;
-      ``muonclip``'s signature lists them, so ``inject_hyperparams`` sees each one. Under
-      ``optax.inject_hyperparams`` a callable ``labels``/``matrix_axes`` must be named in
-      ``static_args`` (inject_hyperparams takes every callable for a schedule); a
-      ``MatrixAxes`` or a pytree is static as it is.
+    weight_decay, labels, adam_learning_rate, adam_b1, adam_b2, adam_eps,
+      adam_weight_decay, weight_decay_mask: as for ``muon_adamw``, with its defaults.
+    beta, nesterov, ns_steps, ns_coeffs, ns_method, ns_normalize, ns_restarts, ns_batch,
+      eps, compute_dtype, mu_dtype, rms_match, rms_scale, matrix_axes,
+      shard_orthogonalization, shard_split: Muon's options (``scale_by_muon``), with its
+      defaults.
+
+  Under ``optax.inject_hyperparams`` a callable ``labels``/``matrix_axes`` must be named in
+  ``static_args`` (inject_hyperparams takes every callable for a schedule); a
+  ``MatrixAxes`` or a pytree is static as it is.
 
   See ``qk_clip_transform`` for the (at most one-ulp) rounding difference between this and
   calling ``qk_clip`` on ``optax.apply_updates(params, updates)`` yourself.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``: ``muon_adamw`` chained with
+    ``qk_clip_transform``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, muonclip_jax as mc
+    >>> layout = mc.GQALayout(num_heads=2, num_kv_heads=2, head_dim=4)
+    >>> params = {"attn": {"wq": {"kernel": jnp.ones((8, 8))}, "wk": {"kernel": jnp.ones((8, 8))}}}
+    >>> opt = mc.muonclip(0.0, layout=layout, qk_clip_threshold=100.0, weight_decay=0.0)
+    >>> state = opt.init(params)
+    >>> max_logits = {"attn": {"max_logits": jnp.array([400.0, 50.0])}}  # head 0 is above tau
+    >>> grads = jax.tree.map(jnp.zeros_like, params)
+    >>> updates, state = opt.update(grads, state, params, max_logits=max_logits)
+    >>> new = optax.apply_updates(params, updates)
+    >>> new["attn"]["wq"]["kernel"][0]  # head 0's columns by sqrt(100 / 400), head 1's kept
+    Array([0.5, 0.5, 0.5, 0.5, 1. , 1. , 1. , 1. ], dtype=float32)
+    >>> int(state[1].num_clipped), float(state[1].min_gamma)
+    (1, 0.25)
   """
   return optax.chain(
-      muon_adamw(learning_rate, **muon_adamw_kwargs),
+      muon_adamw(
+          learning_rate, weight_decay=weight_decay, labels=labels, adam_learning_rate=adam_learning_rate,
+          adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,
+          weight_decay_mask=weight_decay_mask, beta=beta, nesterov=nesterov, ns_steps=ns_steps,
+          ns_coeffs=ns_coeffs, ns_method=ns_method, ns_normalize=ns_normalize, ns_restarts=ns_restarts,
+          ns_batch=ns_batch, eps=eps, compute_dtype=compute_dtype, mu_dtype=mu_dtype, rms_match=rms_match,
+          rms_scale=rms_scale, matrix_axes=matrix_axes, shard_orthogonalization=shard_orthogonalization,
+          shard_split=shard_split),
       qk_clip_transform(qk_clip_threshold, layout=layout),
   )

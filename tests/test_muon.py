@@ -317,15 +317,55 @@ def test_numpy_jax_scalars_and_schedules_are_accepted():
     chex.assert_tree_all_finite(opt.update(jax.tree.map(jnp.sin, params), opt.init(params), params)[0])
 
 
-@pytest.mark.parametrize("factory,extra", [(mc.muon, {}), (mc.muon_adamw, {}),
-                                           (mc.muonclip, dict(layout=mc.MLALayout(2, 4, 4, 4)))])
-def test_unknown_keyword_names_the_function_and_lists_its_options(factory, extra):
-  name = factory.__name__
-  with pytest.raises(TypeError, match=rf"^{name}\(\) got unknown keyword argument\(s\) 'betta'; its options are: .*") as e:
-    factory(LR, betta=0.9, **extra)
-  options = str(e.value).split("its options are: ")[1].split(", ")
-  assert options == [p for p in inspect.signature(factory).parameters if p != "learning_rate"]
-  assert "beta" in options and "ns_coeffs" in options and "scale_by_muon" not in str(e.value)
+@pytest.mark.parametrize("outer,inner", [(mc.muon, mc.scale_by_muon), (mc.muon_adamw, mc.muon),
+                                         (mc.muonclip, mc.muon_adamw)])
+def test_signatures_are_written_out_with_every_option_of_the_inner_optimizer(outer, inner):
+  """Each optimizer's signature lists, keyword-only, every option of the one it builds on,
+  with the same default (IDEs, type checkers and ``inject_hyperparams`` read it), and takes
+  no ``**kwargs``: an unknown keyword is Python's TypeError naming the function."""
+  params = inspect.signature(outer).parameters
+  assert all(p.kind is not p.VAR_KEYWORD for p in params.values())
+  for name, p in inspect.signature(inner).parameters.items():
+    if name == "learning_rate":
+      continue
+    assert name in params, (outer.__name__, name)
+    assert params[name].kind is p.KEYWORD_ONLY and params[name].default == p.default, (outer.__name__, name)
+  extra = dict(layout=mc.MLALayout(2, 4, 4, 4)) if outer is mc.muonclip else {}
+  with pytest.raises(TypeError, match=rf"{outer.__name__}\(\) got an unexpected keyword argument 'betta'"):
+    outer(LR, betta=0.9, **extra)
+
+
+# A value other than the default for every option of scale_by_muon.
+_MUON_OPTIONS = dict(beta=0.9, nesterov=False, ns_steps=3, ns_coeffs="muon", ns_method="gram",
+                     ns_normalize="frobenius", ns_restarts=(1,), ns_batch=2, eps=1e-6, compute_dtype=jnp.bfloat16,
+                     mu_dtype=jnp.bfloat16, rms_match="keller", rms_scale=0.3,
+                     matrix_axes=mc.MatrixAxes((-2,), (-1,)), shard_orthogonalization=object(), shard_split="never")
+
+
+def test_every_option_reaches_scale_by_muon(monkeypatch):
+  """The written-out signatures forward each option (none silently left at its default)."""
+  import muonclip_jax._alias as alias
+
+  assert set(_MUON_OPTIONS) == set(inspect.signature(mc.scale_by_muon).parameters)
+  seen = []
+  monkeypatch.setattr(alias, "scale_by_muon", lambda *a, **kw: seen.append(
+      dict(zip(["beta"], a)) | kw) or optax.identity())
+  mc.muon(LR, **_MUON_OPTIONS)
+  mc.muon_adamw(LR, **_MUON_OPTIONS)
+  mc.muonclip(LR, layout=mc.MLALayout(2, 4, 4, 4), **_MUON_OPTIONS)
+  assert seen == [_MUON_OPTIONS] * 3
+
+
+def test_every_option_reaches_muon_adamw(monkeypatch):
+  import muonclip_jax._muonclip as muonclip_module
+
+  options = dict(weight_decay=0.2, labels="adam", adam_learning_rate=0.1, adam_b1=0.8, adam_b2=0.9, adam_eps=1e-6,
+                 adam_weight_decay=0.3, weight_decay_mask=object(), **_MUON_OPTIONS)
+  assert set(options) | {"learning_rate"} == set(inspect.signature(mc.muon_adamw).parameters)
+  seen = []
+  monkeypatch.setattr(muonclip_module, "muon_adamw", lambda lr, **kw: seen.append(kw) or optax.identity())
+  mc.muonclip(LR, layout=mc.MLALayout(2, 4, 4, 4), **options)
+  assert seen == [options]
 
 
 def test_extreme_gradient_scales_give_the_update_of_the_gradient_scaled_down():
