@@ -15,11 +15,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ._deprecation import renamed_keywords
 from ._max_logits import nest_max_logits
 from ._qk_clip import clip_decisions, qk_clip
 
 
-def exact_qk_clip(params: Any, measure: Callable[[Any], dict[str, jax.Array]], *, threshold: Any,
+@renamed_keywords(threshold="qk_clip_threshold")
+def exact_qk_clip(params: Any, measure: Callable[[Any], dict[str, jax.Array]], *, qk_clip_threshold: Any,
                   layout: Any, rtol: float = 1e-4) -> tuple[Any, jax.Array]:
   """QK-Clip until the params' own maxima are at most tau (1 + rtol), for any depth.
 
@@ -40,24 +42,24 @@ def exact_qk_clip(params: Any, measure: Callable[[Any], dict[str, jax.Array]], *
   pass after it (it is the L-th clip, or clips nothing). ``make_train_step(exact_clip=True)``
   also reports the product of the factors each head received over the passes.
   """
-  return exact_clip_with_factors(params, measure, threshold=threshold, layout=layout, rtol=rtol)[:2]
+  return exact_clip_with_factors(params, measure, qk_clip_threshold=qk_clip_threshold, layout=layout, rtol=rtol)[:2]
 
 
-def exact_clip_with_factors(params: Any, measure: Callable[[Any], dict[str, jax.Array]], *, threshold: Any,
+def exact_clip_with_factors(params: Any, measure: Callable[[Any], dict[str, jax.Array]], *, qk_clip_threshold: Any,
                             layout: Any, rtol: float) -> tuple[Any, jax.Array, dict, dict]:
   """``exact_qk_clip``, plus per head whether it was scaled and the product of its factors."""
   maxima = measure(params)
   num_layers = sum(math.prod(s.shape[:-1]) for s in maxima.values())
-  limit = jnp.asarray(threshold, jnp.float32) * (1 + rtol)
+  limit = jnp.asarray(qk_clip_threshold, jnp.float32) * (1 + rtol)
 
   def over(maxima):  # heads within the tolerance keep their weights
     return {m: jnp.where(s > limit, s, -jnp.inf) for m, s in maxima.items()}
 
   def clip(params, maxima, scaled, total):
     above = over(maxima)
-    params = qk_clip(params, nest_max_logits(above), threshold=threshold, layout=layout)
+    params = qk_clip(params, nest_max_logits(above), qk_clip_threshold=qk_clip_threshold, layout=layout)
     for m, s in above.items():
-      hit, gamma = clip_decisions(s, threshold)
+      hit, gamma = clip_decisions(s, qk_clip_threshold)
       scaled, total = {**scaled, m: scaled[m] | hit}, {**total, m: total[m] * gamma}
     return params, scaled, total
 

@@ -19,6 +19,7 @@ import optax
 
 from ._alias import muon_adamw
 from ._checks import check_number
+from ._deprecation import renamed_keywords
 from ._layouts import check_layout
 from ._matrix_axes import MatrixAxesSpec
 from ._qk_clip import qk_clip, qk_clip_stats, threshold_or_nan
@@ -61,11 +62,13 @@ def _state(count, threshold, num_clipped=0, min_gamma=1.0) -> QKClipState:
                      num_clipped=jnp.asarray(num_clipped, jnp.int32), min_gamma=jnp.asarray(min_gamma, jnp.float32))
 
 
-def qk_clip_transform(threshold: Any, *, layout: Any) -> optax.GradientTransformationExtraArgs:
+@renamed_keywords(threshold="qk_clip_threshold")
+def qk_clip_transform(qk_clip_threshold: Any, *, layout: Any) -> optax.GradientTransformationExtraArgs:
   """QK-Clip as the last transform of an Optax chain (Kimi K2, Algorithm 1, lines 10-15).
 
   ``update(updates, state, params, max_logits=intermediates)`` returns updates ``u'`` such
-  that ``params + u'`` is ``qk_clip(params + updates, max_logits, threshold, layout)``.
+  that ``params + u'`` is ``qk_clip(params + updates, max_logits, qk_clip_threshold=...,
+  layout=...)``.
   Only the query/key leaves that ``qk_clip`` changes get ``u' = clipped - params``; every
   other leaf, and every element of a head that is not clipped, keeps its update bit for bit.
   The state (``QKClipState``) records the tau, the number of clipped heads and the
@@ -91,7 +94,7 @@ def qk_clip_transform(threshold: Any, *, layout: Any) -> optax.GradientTransform
   ``max(|params|, |clipped|)`` of ``clipped`` (measured in tests/test_muonclip.py).
 
   Args:
-    threshold: tau > 0 (Kimi K2: 100), or a schedule: a callable of the update count
+    qk_clip_threshold: tau > 0 (Kimi K2: 100), or a schedule: a callable of the update count
       (0, 1, ...) returning tau (an infinite tau clips nothing; a NaN or non-positive one
       clips nothing and is flagged, see above). ``None`` or ``inf`` turns the clip off, and
       then ``max_logits`` is not needed. May be traced (``optax.inject_hyperparams``).
@@ -103,6 +106,7 @@ def qk_clip_transform(threshold: Any, *, layout: Any) -> optax.GradientTransform
   ``attention_op``) are passed as ``muonclip_jax.reduce_max_logits(intermediates)``.
   """
   check_layout(layout)
+  threshold = qk_clip_threshold
   if threshold is not None and not isinstance(threshold, jax.core.Tracer) and not callable(threshold):
     check_number("qk_clip_threshold", threshold, low=0.0, low_open=True)  # inf: no clip
   off = _clip_is_off(threshold)
@@ -132,7 +136,7 @@ def qk_clip_transform(threshold: Any, *, layout: Any) -> optax.GradientTransform
     tau = jnp.asarray(tau_at(state.count), jnp.float32)
     stepped = optax.apply_updates(params, updates)
     names = names_by_path(stepped) or recorded
-    clipped = qk_clip(stepped, max_logits, threshold=tau, layout=layout, names=names)
+    clipped = qk_clip(stepped, max_logits, qk_clip_threshold=tau, layout=layout, names=names)
 
     def adjust(u, p, s, c):
       if c is s:  # a leaf qk_clip did not touch
@@ -140,7 +144,7 @@ def qk_clip_transform(threshold: Any, *, layout: Any) -> optax.GradientTransform
       return jnp.where(c == s, u, (c - p).astype(u.dtype))
 
     new_updates = jax.tree.map(adjust, updates, params, stepped, clipped)
-    stats = qk_clip_stats(max_logits, threshold=tau).values()
+    stats = qk_clip_stats(max_logits, qk_clip_threshold=tau).values()
     num_clipped = sum(jnp.sum(s["num_clipped"]) for s in stats)
     min_gamma = jnp.min(jnp.stack([jnp.min(s["min_gamma"]) for s in stats]))
     return new_updates, _state(count, tau, num_clipped, min_gamma)

@@ -48,6 +48,7 @@ from ._layouts import matching_patterns
 from ._max_logits import MAX_LOGITS as _MAX_LOGITS
 from ._max_logits import collect_max_logits, nest_max_logits
 from ._checks import check_number
+from ._deprecation import renamed_keywords
 from ._paths import keystr as _path_str
 from ._paths import join
 from ._paths import strip_value as _strip_value
@@ -73,10 +74,10 @@ def _resolve_threshold(threshold: Any) -> jax.Array | None:
   if threshold is None:
     return None
   if isinstance(threshold, (jax.Array, np.ndarray)) and jnp.ndim(threshold) != 0:
-    raise ValueError(f"qk_clip: threshold must be a scalar, got shape {jnp.shape(threshold)}")
+    raise ValueError(f"qk_clip: qk_clip_threshold must be a scalar, got shape {jnp.shape(threshold)}")
   if isinstance(threshold, jax.core.Tracer):  # e.g. optax.inject_hyperparams inside jit
     return jnp.asarray(threshold, jnp.float32)
-  check_number("qk_clip: threshold", threshold, low=0.0, low_open=True)
+  check_number("qk_clip: qk_clip_threshold", threshold, low=0.0, low_open=True)
   value = float(threshold)
   if math.isinf(value):
     return None
@@ -150,18 +151,20 @@ def clip_decisions(max_logits: jax.Array, threshold: Any) -> tuple[jax.Array, ja
   return _gamma(jnp.asarray(max_logits, jnp.float32), jnp.asarray(threshold, jnp.float32))
 
 
-def clip_factors(max_logits: jax.Array, threshold: Any) -> jax.Array:
+@renamed_keywords(threshold="qk_clip_threshold")
+def clip_factors(max_logits: jax.Array, qk_clip_threshold: Any) -> jax.Array:
   """QK-Clip factors gamma_h = min(1, tau / S_max^h) (Kimi K2, section 2.1, Algorithm 1).
 
   Args:
     max_logits: per-head maxima S_max of shape ``(..., num_heads)``.
-    threshold: tau > 0. None or +inf means no clip (all ones); a traced value is accepted.
+    qk_clip_threshold: tau > 0. None or +inf means no clip (all ones); a traced value is
+      accepted.
 
   Returns:
     float32 array of ``max_logits``' shape with values in (0, 1]; 1 where S_max <= tau, and
     where S_max is non-finite or <= 0 (such a head is left as it is).
   """
-  tau = _resolve_threshold(threshold)
+  tau = _resolve_threshold(qk_clip_threshold)
   s = jnp.asarray(max_logits, jnp.float32)
   if tau is None:
     return jnp.ones(s.shape, jnp.float32)
@@ -196,7 +199,8 @@ def _role_factors(s: jax.Array, tau: jax.Array, lay: _Layout) -> dict[str, jax.A
 # ----------------------------------------------------------------------------- modules
 
 
-def qk_clip(params: Any, max_logits: Any, *, threshold: Any, layout: Any,
+@renamed_keywords(threshold="qk_clip_threshold")
+def qk_clip(params: Any, max_logits: Any, *, qk_clip_threshold: Any, layout: Any,
             names: Mapping[str, tuple] | None = None) -> Any:
   """Applies QK-Clip (Kimi K2, arXiv 2507.20534, section 2.1, Algorithm 1) to attention params.
 
@@ -234,7 +238,7 @@ def qk_clip(params: Any, max_logits: Any, *, threshold: Any, layout: Any,
       ``(y, state)`` pair of ``apply``) in which each attention module has a leaf
       ``max_logits`` of shape ``(*stack, num_heads)``, matched to the parameters at the same
       module path.
-    threshold: tau > 0 (Kimi K2 uses 100). None or +inf: no clip, ``params`` is returned as
+    qk_clip_threshold: tau > 0 (Kimi K2 uses 100). None or +inf: no clip, ``params`` is returned as
       is and ``max_logits`` is not read. May be a traced scalar (not validated then; a NaN,
       infinite or non-positive traced tau clips nothing).
     layout: one ``MLALayout``/``GQALayout`` for every module, or a mapping from glob patterns
@@ -252,7 +256,7 @@ def qk_clip(params: Any, max_logits: Any, *, threshold: Any, layout: Any,
     ``params`` with the same structure, box types, dtypes and shardings.
 
   Raises:
-    ValueError: a concrete threshold that is NaN or <= 0; no ``max_logits`` leaf; a module
+    ValueError: a concrete ``qk_clip_threshold`` that is NaN or <= 0; no ``max_logits`` leaf; a module
       without the projections its layout names (or with both ``wq`` and ``wq_b`` for MLA);
       a kernel that fits no form, or two; head counts or widths that disagree with the
       kernels or the maxima; leading stack shapes that differ; an MLA ``wkv_a`` whose rotary
@@ -262,7 +266,7 @@ def qk_clip(params: Any, max_logits: Any, *, threshold: Any, layout: Any,
       ``max_logits`` given as a tuple (the ``(y, state)`` pair of ``apply``).
   """
   _check_layout(layout)
-  tau = _resolve_threshold(threshold)
+  tau = _resolve_threshold(qk_clip_threshold)
   if tau is None:
     return params
   maxima = collect_max_logits(max_logits)
@@ -340,12 +344,13 @@ def _check_all_reported(by_module: Mapping[str, Mapping[str, int]], leaves: list
     )
 
 
-def qk_clip_stats(max_logits: Any, *, threshold: Any) -> dict[str, dict[str, jax.Array]]:
+@renamed_keywords(threshold="qk_clip_threshold")
+def qk_clip_stats(max_logits: Any, *, qk_clip_threshold: Any) -> dict[str, dict[str, jax.Array]]:
   """Per-module QK-Clip statistics for logging (Kimi K2, section 2.1); runs inside jit.
 
   Args:
     max_logits: as for ``qk_clip``.
-    threshold: as for ``qk_clip`` (None or +inf: nothing is clipped).
+    qk_clip_threshold: as for ``qk_clip`` (None or +inf: nothing is clipped).
 
   Returns:
     ``{module path: stats}`` with, for maxima of shape ``(*stack, H)``, arrays of shape
@@ -355,7 +360,7 @@ def qk_clip_stats(max_logits: Any, *, threshold: Any) -> dict[str, dict[str, jax
     if any head is NaN), ``num_heads`` (int32, H) and ``num_nonfinite`` (int32, heads whose
     S_max is NaN or +-inf; they are never clipped).
   """
-  tau = _resolve_threshold(threshold)
+  tau = _resolve_threshold(qk_clip_threshold)
   stats = {}
   for module, s in collect_max_logits(max_logits, "qk_clip_stats").items():
     if tau is None:

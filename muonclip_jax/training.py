@@ -42,7 +42,7 @@ def clip_metrics(maxima: dict[str, jax.Array], threshold: Any) -> dict[str, Any]
   with S_max > tau: the heads a clip with these maxima would scale, whether or not one
   did; 0 when tau is None). What was clipped is ``applied_clip_metrics``.
   """
-  stats = qk_clip_stats(nest_max_logits(maxima), threshold=threshold)
+  stats = qk_clip_stats(nest_max_logits(maxima), qk_clip_threshold=threshold)
   return {
       "max_logits": dict(maxima),
       "max_logit": jnp.max(jnp.stack([jnp.max(s["max_logit"]) for s in stats.values()])),
@@ -357,7 +357,7 @@ def make_train_step(
       raise ValueError("make_train_step: exact_clip=True needs qk_clip_threshold, or an optimizer that clips "
                        "(muonclip), whose tau it then uses")
     measure = lambda p: _maxima_on(forward, p, batch, rng, k)
-    clip_now = lambda p: _exact_clip(p, measure, threshold=tau, layout=layout,
+    clip_now = lambda p: _exact_clip(p, measure, qk_clip_threshold=tau, layout=layout,
                                      rtol=_exact_rtol(params, compute_dtype))
     stepped = _applied_an_update(opt_state)
     if stepped is None:

@@ -41,7 +41,7 @@ def test_gemma_head_first_einsums_with_fused_kv_clip_like_dense_general():
   s = _maxima(layers, h)
   tau = 3.0
   canon = {"attn": {"query": {"kernel": q}, "key": {"kernel": k}}}
-  want = qk_clip(canon, {"attn": {"max_logits": s}}, threshold=tau, layout=GQALayout(h, hkv, hd, query="query", key="key"))
+  want = qk_clip(canon, {"attn": {"max_logits": s}}, qk_clip_threshold=tau, layout=GQALayout(h, hkv, hd, query="query", key="key"))
   # Gemma: q_einsum/w (heads, embed, head_dim), kv_einsum/w (2, kv_heads, embed, head_dim),
   # stacked on a leading layer axis; the projections sit one module deeper ("attn/...").
   gemma = {"block": {"attn": {
@@ -53,7 +53,7 @@ def test_gemma_head_first_einsums_with_fused_kv_clip_like_dense_general():
       query=Projection("attn/q_einsum", leaf="w", axes=("layers", "heads", "in", "head_dim")),
       key=Projection("attn/kv_einsum", leaf="w", axes=("layers", "parts", "heads", "in", "head_dim"), parts=("k", "v")),
   )
-  got = jax.jit(lambda p, m: qk_clip(p, m, threshold=tau, layout=lay))(gemma, {"block": {"max_logits": s}})
+  got = jax.jit(lambda p, m: qk_clip(p, m, qk_clip_threshold=tau, layout=lay))(gemma, {"block": {"max_logits": s}})
   _close(got["block"]["attn"]["q_einsum"]["w"].transpose(0, 2, 1, 3), want["attn"]["query"]["kernel"])
   kv = np.asarray(got["block"]["attn"]["kv_einsum"]["w"]).transpose(0, 1, 3, 2, 4)
   _close(kv[:, 0], want["attn"]["key"]["kernel"])
@@ -73,10 +73,10 @@ def test_torch_style_fused_qkv_with_bias_clips_like_head_major():
   cols = (h + 2 * hkv) * hd
   w, b = _normal(d, cols), _normal(cols)
   s = _maxima(h)
-  want = qk_clip({"c_attn": {"kernel": w, "bias": b}}, {"max_logits": s}, threshold=2.5,
+  want = qk_clip({"c_attn": {"kernel": w, "bias": b}}, {"max_logits": s}, qk_clip_threshold=2.5,
                  layout=GQALayout(h, hkv, hd, qkv="c_attn"))
   lay = GQALayout(h, hkv, hd, qkv=Projection("c_attn", axes=("out", "in")))
-  got = qk_clip({"c_attn": {"kernel": w.T, "bias": b}}, {"max_logits": s}, threshold=2.5, layout=lay)
+  got = qk_clip({"c_attn": {"kernel": w.T, "bias": b}}, {"max_logits": s}, qk_clip_threshold=2.5, layout=lay)
   _close(np.asarray(got["c_attn"]["kernel"]).T, want["c_attn"]["kernel"])
   _close(got["c_attn"]["bias"], want["c_attn"]["bias"])
   _close(np.asarray(got["c_attn"]["kernel"]).T[:, (h + hkv) * hd:], w[:, (h + hkv) * hd:])
@@ -100,18 +100,18 @@ def test_maxtext_layer_axis_1_declared_or_read_from_logical_names():
   s = _maxima(3, 2)
   ml = {"decoder": {"layers": {"self_attention": {"max_logits": s}}}}
   canon = {"wq_b": {"kernel": wq_b.transpose(1, 0, 2, 3)}, "wkv_b": {"kernel": wkv_b.transpose(1, 0, 2, 3)}}
-  want = qk_clip(canon, {"max_logits": s}, threshold=2.0, layout=lay)
+  want = qk_clip(canon, {"max_logits": s}, qk_clip_threshold=2.0, layout=lay)
   with pytest.raises(ValueError, match=r"wq_b/kernel has shape \(6, 3, 2, 6\).*Projection\(name, axes=\.\.\.\)"):
-    qk_clip(params, ml, threshold=2.0, layout=lay)  # undeclared: the layer axis is not leading
+    qk_clip(params, ml, qk_clip_threshold=2.0, layout=lay)  # undeclared: the layer axis is not leading
   axes = ("in", "layers", "heads", "head_dim")
   declared = MLALayout(2, 4, 2, 4, query=Projection("wq_b", axes=axes), key_value=Projection("wkv_b", axes=axes))
-  got = qk_clip(params, ml, threshold=2.0, layout=declared)
+  got = qk_clip(params, ml, qk_clip_threshold=2.0, layout=declared)
   attn = got["decoder"]["layers"]["self_attention"]
   _close(np.asarray(attn["wq_b"]["kernel"]).transpose(1, 0, 2, 3), want["wq_b"]["kernel"])
   _close(np.asarray(attn["wkv_b"]["kernel"]).transpose(1, 0, 2, 3), want["wkv_b"]["kernel"])
   # Logical names (Linen boxes): the plain layout needs no axes.
   boxed, _, _ = _maxtext_mla(boxed=True)
-  got_boxed = qk_clip(boxed, ml, threshold=2.0, layout=lay)
+  got_boxed = qk_clip(boxed, ml, qk_clip_threshold=2.0, layout=lay)
   kernel = got_boxed["decoder"]["layers"]["self_attention"]["wq_b"]["kernel"]
   assert isinstance(kernel, nn.Partitioned)
   _close(kernel.value, attn["wq_b"]["kernel"])
@@ -128,11 +128,11 @@ def test_declared_shape_mismatch_names_path_axes_and_shape():
   params = {"attn": {"q": {"w": q}, "k": {"w": q}}}  # k stored head-first, declared DenseGeneral
   with pytest.raises(ValueError, match=r"attn/k/w has shape \(4, 6, 8\), which does not match its declared axes "
                                        r"\('in', 'heads', 'head_dim'\).*expected \(4, 4, 8\)"):
-    qk_clip(params, {"attn": {"max_logits": _maxima(4)}}, threshold=2.0, layout=lay)
+    qk_clip(params, {"attn": {"max_logits": _maxima(4)}}, qk_clip_threshold=2.0, layout=lay)
   params["attn"]["k"] = {"w": q, "bias": np.zeros((6, 8), np.float32)}
   params["attn"]["k"]["w"] = q.transpose(1, 0, 2)
   with pytest.raises(ValueError, match=r"attn/k/bias has shape \(6, 8\); expected \(4, 8\)"):
-    qk_clip(params, {"attn": {"max_logits": _maxima(4)}}, threshold=2.0, layout=lay)
+    qk_clip(params, {"attn": {"max_logits": _maxima(4)}}, qk_clip_threshold=2.0, layout=lay)
   with pytest.raises(ValueError, match="attention_matrix_axes: declared axes"):
     mc.attention_matrix_axes(lay)({"attn": {"q": {"w": q[0]}}})
 
@@ -180,7 +180,7 @@ def test_nnx_sharding_metadata_gives_the_axes_and_optimizer_keeps_them():
   lay = GQALayout(4, 2, 8, "query", query="q", key="k")
   s = jnp.asarray([1.0, 5.0, 2.0, 6.0])
   state = nnx.state(model, nnx.Param)
-  got = qk_clip(state, {"max_logits": s}, threshold=3.0, layout=lay)
+  got = qk_clip(state, {"max_logits": s}, qk_clip_threshold=3.0, layout=lay)
   gamma = np.where(s > 3.0, 3.0 / s, 1.0)
   want = np.asarray(model.q.kernel.value) * gamma[:, None, None]
   np.testing.assert_allclose(np.asarray(nnx.to_pure_dict(got)["q"]["kernel"]), want, rtol=1e-6)
@@ -191,4 +191,4 @@ def test_nnx_sharding_metadata_gives_the_axes_and_optimizer_keeps_them():
   updates, _ = tx.update(jax.tree.map(jnp.zeros_like, bare), tx_state, bare, max_logits={"max_logits": s})
   np.testing.assert_allclose(np.asarray(bare["q"]["kernel"] + updates["q"]["kernel"]), want, rtol=1e-6)
   with pytest.raises(ValueError, match=r"q/kernel has shape \(4, 6, 8\).*fits no kernel form"):
-    qk_clip(bare, {"max_logits": s}, threshold=3.0, layout=lay)  # bare arrays, no names: not guessed
+    qk_clip(bare, {"max_logits": s}, qk_clip_threshold=3.0, layout=lay)  # bare arrays, no names: not guessed

@@ -246,7 +246,7 @@ def test_qk_clip_end_to_end(fields):
   tau = float(np.median(before))
   clipped = before > tau
   assert clipped.any() and (~clipped).any()
-  new_params = qk_clip(variables["params"], inter, threshold=tau, layout=module.layout)
+  new_params = qk_clip(variables["params"], inter, qk_clip_threshold=tau, layout=module.layout)
   _, inter2 = apply({"params": new_params}, x)
   after = np.asarray(inter2["max_logits"])
   np.testing.assert_allclose(after[clipped], tau, rtol=1e-5)
@@ -259,7 +259,7 @@ def test_qk_clip_end_to_end_nnx():
   _, inter = _nnx_capture(model, x)
   before = np.asarray(nnx.to_pure_dict(inter)["max_logits"])
   tau = float(np.median(before))
-  new_state = qk_clip(nnx.state(model, nnx.Param), inter, threshold=tau, layout=model.layout)
+  new_state = qk_clip(nnx.state(model, nnx.Param), inter, qk_clip_threshold=tau, layout=model.layout)
   nnx.update(model, new_state)
   after = np.asarray(nnx.to_pure_dict(_nnx_capture(model, x)[1])["max_logits"])
   clipped = before > tau

@@ -394,7 +394,7 @@ def test_qk_clip_end_to_end(fields):
   _, inter = apply(variables, x)
   before = np.asarray(inter["max_logits"])
   tau = float(np.median(before))
-  new_params = qk_clip(variables["params"], inter, threshold=tau, layout=module.layout)
+  new_params = qk_clip(variables["params"], inter, qk_clip_threshold=tau, layout=module.layout)
   assert jax.tree.structure(new_params) == jax.tree.structure(variables["params"])  # boxes kept
   _, inter2 = apply({"params": new_params}, x)
   _check_clipped(before, inter2["max_logits"], tau)
@@ -407,7 +407,7 @@ def test_qk_clip_end_to_end_nnx():
   before = nnx.to_pure_dict(inter)["max_logits"]
   tau = float(np.median(np.asarray(before)))
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  new_params = qk_clip(params, nnx.to_pure_dict(inter), threshold=tau, layout=model.layout)
+  new_params = qk_clip(params, nnx.to_pure_dict(inter), qk_clip_threshold=tau, layout=model.layout)
   state = nnx.state(model, nnx.Param)
   nnx.replace_by_pure_dict(state, new_params)
   nnx.update(model, state)

@@ -74,7 +74,7 @@ def test_forward_maxima_clip_is_qk_clip_of_the_update():
     maxima = LOSS_FN(p_clip, batch)[1]
     g = grads_fn(p_clip, batch)
     ub, sb = base.update(g, sb, p_clip)
-    p_ref = mc.qk_clip(optax.apply_updates(p_clip, ub), maxima, threshold=3.0, layout=CFG.layout)
+    p_ref = mc.qk_clip(optax.apply_updates(p_clip, ub), maxima, qk_clip_threshold=3.0, layout=CFG.layout)
     uc, sc = clip.update(g, sc, p_clip, max_logits=maxima)
     p_clip = optax.apply_updates(p_clip, uc)
     # Documented rounding: at most one float32 ulp of the old or new weight (|w| < 1 here).

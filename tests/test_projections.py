@@ -175,7 +175,7 @@ def test_every_form_matches_the_numpy_rule(case, stack, bias, seed):
   params, canon = make_case(seed, lay, forms, stack=stack, bias=bias)
   tau = np.float32(3.0)
   s = random_maxima(seed, (*stack, lay.num_heads), tau)
-  out = jax.jit(lambda p, m: qk_clip(p, m, threshold=tau, layout=lay))(params, {"attn": {"max_logits": s}})
+  out = jax.jit(lambda p, m: qk_clip(p, m, qk_clip_threshold=tau, layout=lay))(params, {"attn": {"max_logits": s}})
   factors = np_factors(s, tau, lay)
   got = read_back(out, lay, forms)
   for role, (kernel, b) in canon.items():
@@ -201,7 +201,7 @@ def test_2d_and_dense_general_clip_to_the_same_values(lay, stack):
   results = {}
   for form in ("2d", "dense_general"):
     params, canon = make_case(7, lay, dict.fromkeys(names, form), stack=stack)
-    out = qk_clip(params, {"attn": {"max_logits": s}}, threshold=3.0, layout=lay)
+    out = qk_clip(params, {"attn": {"max_logits": s}}, qk_clip_threshold=3.0, layout=lay)
     results[form] = read_back(out, lay, dict.fromkeys(names, form))
   chex.assert_trees_all_equal(results["2d"], results["dense_general"])
   assert any(not np.array_equal(results["2d"][r][0], canon[r][0]) for r in results["2d"])  # it clipped
@@ -213,11 +213,11 @@ def test_fused_forms_clip_like_separate_projections(stack):
   s = random_maxima(1, (*stack, 3), 3.0)
   ml = {"attn": {"max_logits": s}}
   sep, _ = make_case(3, lay, {"wq": "2d", "wk": "2d"}, stack=stack)
-  expected = read_back(qk_clip(sep, ml, threshold=3.0, layout=lay), lay, {"wq": "2d", "wk": "2d"})
+  expected = read_back(qk_clip(sep, ml, qk_clip_threshold=3.0, layout=lay), lay, {"wq": "2d", "wk": "2d"})
   for form in ("fused", "fused3"):
     fused_lay = GQALayout(3, 3, 2, qkv="c_attn")
     params, canon = make_case(3, fused_lay, {"c_attn": form}, stack=stack)
-    got = read_back(qk_clip(params, ml, threshold=3.0, layout=fused_lay), fused_lay, {"c_attn": form})
+    got = read_back(qk_clip(params, ml, qk_clip_threshold=3.0, layout=fused_lay), fused_lay, {"c_attn": form})
     chex.assert_trees_all_equal({r: got[r] for r in ("query", "key")}, expected)
     chex.assert_trees_all_equal(got["value"], canon["value"])
 
@@ -273,9 +273,9 @@ def test_linen_multi_head_dot_product_attention_scanned_and_boxed():
                                      "top": {"attn": {"max_logits": jnp.full((2,), -jnp.inf)}}})
   ml = {"layers": {"attn": {"max_logits": random_maxima(2, (3, 2), 3.0)}},
         "top": {"attn": {"max_logits": np.array([9.0, 1.0], np.float32)}}}
-  out = jax.jit(lambda p, m: qk_clip(p, m, threshold=3.0, layout=FLAX_LAYOUT))(params, ml)
+  out = jax.jit(lambda p, m: qk_clip(p, m, qk_clip_threshold=3.0, layout=FLAX_LAYOUT))(params, ml)
   assert jax.tree.structure(out) == jax.tree.structure(params)
-  plain = qk_clip(nn.unbox(params), ml, threshold=3.0, layout=FLAX_LAYOUT)
+  plain = qk_clip(nn.unbox(params), ml, qk_clip_threshold=3.0, layout=FLAX_LAYOUT)
   chex.assert_trees_all_close(nn.unbox(out), plain, rtol=1e-7, atol=0)
   _check_against_reference(jax.tree.map(np.asarray, plain), jax.tree.map(np.asarray, nn.unbox(params)),
                            ml, np.float32(3.0), ["layers/attn", "top/attn"])
@@ -296,10 +296,10 @@ def test_nnx_multi_head_attention_state():
   assert set(init) == {"l0", "l1"}
   chex.assert_shape(init["l0"]["max_logits"], (2,))
   ml = {"l0": {"max_logits": np.array([9.0, 1.0], np.float32)}, "l1": {"max_logits": np.array([2.0, 30.0], np.float32)}}
-  out = qk_clip(state, ml, threshold=3.0, layout=FLAX_LAYOUT)
+  out = qk_clip(state, ml, qk_clip_threshold=3.0, layout=FLAX_LAYOUT)
   assert isinstance(out, nnx.State) and jax.tree.structure(out) == jax.tree.structure(state)
   pure_in, pure_out = nnx.to_pure_dict(state), nnx.to_pure_dict(out)
-  chex.assert_trees_all_equal(pure_out, qk_clip(pure_in, ml, threshold=3.0, layout=FLAX_LAYOUT))
+  chex.assert_trees_all_equal(pure_out, qk_clip(pure_in, ml, qk_clip_threshold=3.0, layout=FLAX_LAYOUT))
   _check_against_reference(pure_out, pure_in, ml, np.float32(3.0), ["l0", "l1"])
 
 
@@ -356,7 +356,7 @@ def test_optimizers_on_every_form(model):
   base, clip = mc.muon_adamw(0.05, **kw), mc.muonclip(0.05, layout=lay, qk_clip_threshold=tau, **kw)
   ub, _ = jax.jit(base.update)(grads, base.init(params), params)
   uc, _ = jax.jit(clip.update)(grads, clip.init(params), params, max_logits=ml)
-  expected = qk_clip(optax.apply_updates(params, ub), ml, threshold=tau, layout=lay)
+  expected = qk_clip(optax.apply_updates(params, ub), ml, qk_clip_threshold=tau, layout=lay)
   chex.assert_trees_all_close(optax.apply_updates(params, uc), expected, rtol=0, atol=1e-5)
   # qk_clip_transform after plain SGD: the per-head rule on the stepped weights, and every
   # leaf and column that the rule leaves alone keeps SGD's update bit for bit.
@@ -364,7 +364,7 @@ def test_optimizers_on_every_form(model):
   u, _ = sgd.update(grads, sgd.init(params), params, max_logits=ml)
   plain, _ = optax.sgd(0.1).update(grads, optax.sgd(0.1).init(params), params)
   stepped = optax.apply_updates(params, plain)
-  expected = qk_clip(stepped, ml, threshold=tau, layout=lay)
+  expected = qk_clip(stepped, ml, qk_clip_threshold=tau, layout=lay)
   chex.assert_trees_all_close(optax.apply_updates(params, u), expected, rtol=0, atol=1e-6)
   same = jax.tree.map(lambda e, s: np.asarray(e) == np.asarray(s), expected, stepped)
   jax.tree.map(lambda a, b, m: np.testing.assert_array_equal(np.asarray(a)[m], np.asarray(b)[m]), u, plain, same)
@@ -400,19 +400,19 @@ def test_no_form_fits_names_path_shape_and_forms():
   with pytest.raises(ValueError, match=r"attn/query/kernel has shape \(8, 2, 4\), i\.e\. 2 heads of 4 columns as DenseGeneral "
                      r"\(or 4 columns as 2-D head-major\), but expected 4 heads of 2 columns; it fits no kernel form.*"
                      r"tried \('in', 8\) \(2-D head-major\) or \('in', 4, 2\) \(DenseGeneral\)"):
-    qk_clip(params, _ml(4), threshold=3.0, layout=lay)
+    qk_clip(params, _ml(4), qk_clip_threshold=3.0, layout=lay)
   with pytest.raises(ValueError, match=r"init_max_logits: attn/query/kernel has shape \(8, 2, 4\).*"
                      r"\(\*stack, 'in', 4, 2\) \(DenseGeneral\)"):
     mc.init_max_logits(params, lay)
   # the key head count is wrong: (in, 2, 4) is 2 key heads, the layout says 1
   with pytest.raises(ValueError, match=r"attn/key/kernel has shape \(8, 2, 4\).*key: 1 heads of 4"):
-    qk_clip(params, _ml(2), threshold=3.0, layout=GQALayout(2, 1, 4, query="query", key="key"))
+    qk_clip(params, _ml(2), qk_clip_threshold=3.0, layout=GQALayout(2, 1, 4, query="query", key="key"))
   fused = {"attn": {"c_attn": {"kernel": np.ones((8, 3, 4, 2), np.float32)}}}
   with pytest.raises(ValueError, match=r"attn/c_attn/kernel has shape \(8, 3, 4, 2\).*needs num_kv_heads == num_heads"):
-    qk_clip(fused, _ml(4), threshold=3.0, layout=GQALayout(4, 2, 2, qkv="c_attn"))
+    qk_clip(fused, _ml(4), qk_clip_threshold=3.0, layout=GQALayout(4, 2, 2, qkv="c_attn"))
   with pytest.raises(ValueError, match=r"attn/c_attn/kernel has shape \(8, 3, 4, 2\); expected \(2, 'in', 24\) "
                      r"\(fused 2-D q\|k\|v\) or \(2, 'in', 3, 4, 2\)"):
-    qk_clip(fused, _ml(2, 4), threshold=3.0, layout=GQALayout(4, 4, 2, qkv="c_attn"))
+    qk_clip(fused, _ml(2, 4), qk_clip_threshold=3.0, layout=GQALayout(4, 4, 2, qkv="c_attn"))
 
 
 def test_two_forms_fit_unless_maxima_or_bias_tell():
@@ -423,7 +423,7 @@ def test_two_forms_fit_unless_maxima_or_bias_tell():
                      r"2-D head-major with stacked-layer shape \(8,\) and DenseGeneral with stacked-layer shape \(\)"):
     mc.init_max_logits(params, lay)
   chex.assert_shape(mc.init_max_logits(_dg_attn(heads=1), lay)["attn"]["max_logits"], (1,))  # the bias tells
-  out = qk_clip(params, _ml(1), threshold=3.0, layout=lay)  # max_logits (1,): no stack, DenseGeneral
+  out = qk_clip(params, _ml(1), qk_clip_threshold=3.0, layout=lay)  # max_logits (1,): no stack, DenseGeneral
   np.testing.assert_allclose(out["attn"]["query"]["kernel"], params["attn"]["query"]["kernel"] * np.sqrt(3 / 9), rtol=1e-6)
 
 
@@ -433,20 +433,20 @@ def test_bias_and_stack_mismatches():
   params["attn"]["key"]["bias"] = np.ones(8, np.float32)
   with pytest.raises(ValueError, match=r"attn/key/bias has shape \(8,\); expected \(2, 4\) for the DenseGeneral "
                      r"kernel attn/key/kernel of shape \(8, 2, 4\)"):
-    qk_clip(params, _ml(2), threshold=3.0, layout=lay)
+    qk_clip(params, _ml(2), qk_clip_threshold=3.0, layout=lay)
   with pytest.raises(ValueError, match=r"projections of 'attn' disagree on their leading \(stacked-layer\) shape.*"
                      r"'attn/query/kernel': \[\(2,\)\], 'attn/key/kernel': \[\(3,\)\]"):
     mc.init_max_logits(_dg_attn(stack=(2,), key_stack=(3,)), lay)
   with pytest.raises(ValueError, match=r"attn/key/kernel has shape \(3, 8, 2, 4\); expected \(2, 'in', 8\) .*"
                      r"\(stacked-layer\) shape \(2,\) is that of attn/max_logits"):
-    qk_clip(_dg_attn(stack=(2,), key_stack=(3,)), _ml(2, 2), threshold=3.0, layout=lay)
+    qk_clip(_dg_attn(stack=(2,), key_stack=(3,)), _ml(2, 2), qk_clip_threshold=3.0, layout=lay)
 
 
 def test_projection_names_are_checked():
   params = _dg_attn()
   with pytest.raises(ValueError, match=r"module 'attn' has no 'attn/q_proj/kernel' for GQALayout \(expected "
                      r"projections \['q_proj', 'k_proj'\].*\['key/bias', 'key/kernel', 'query/bias', 'query/kernel'\]"):
-    qk_clip(params, _ml(2), threshold=3.0, layout=GQALayout(2, 2, 4, query="q_proj", key="k_proj"))
+    qk_clip(params, _ml(2), qk_clip_threshold=3.0, layout=GQALayout(2, 2, 4, query="q_proj", key="k_proj"))
   with pytest.raises(ValueError, match="no attention module"):
     mc.init_max_logits(params, GQALayout(2, 2, 4))  # wq/wk by default
   for bad in ({"query": ""}, {"query": "a/b"}, {"key": 3}, {"qkv": ""}, {"query": "x", "key": "x"}):
@@ -482,15 +482,15 @@ def test_mla_layout_with_the_right_totals_but_the_wrong_split_is_detected():
   pattern = (r"attn/wkv_a/kernel has shape \(16, 14\), i\.e\. a latent of 6 columns .* rotary key of 8 "
              r"columns, but the layout says qk_rope_head_dim=4.*module\.layout")
   with pytest.raises(ValueError, match="qk_clip: " + pattern):
-    qk_clip(params, ml, threshold=0.01, layout=wrong)
+    qk_clip(params, ml, qk_clip_threshold=0.01, layout=wrong)
   with pytest.raises(ValueError, match="init_max_logits: " + pattern):
     mc.init_max_logits(params, wrong)
-  qk_clip(params, ml, threshold=0.01, layout=module.layout)  # the module's own layout is right
+  qk_clip(params, ml, qk_clip_threshold=0.01, layout=module.layout)  # the module's own layout is right
   # DenseGeneral MLA kernels (MaxText) carry the per-head width: (4, 9, 3, 3) has other widths.
   rng = np.random.default_rng(0)
   dg = {"attn": {"wq_b": {"kernel": rng.normal(size=(8, 4, 16))}, "wkv_b": {"kernel": rng.normal(size=(6, 4, 16))}}}
   with pytest.raises(ValueError, match=r"attn/wq_b/kernel has shape \(8, 4, 16\).*fits no kernel form"):
-    qk_clip(dg, _ml(4), threshold=3.0, layout=MLALayout(4, 9, 3, 3))
+    qk_clip(dg, _ml(4), qk_clip_threshold=3.0, layout=MLALayout(4, 9, 3, 3))
 
 
 def test_variables_dict_as_params_says_what_was_expected():
@@ -498,7 +498,7 @@ def test_variables_dict_as_params_says_what_was_expected():
   lay = MLALayout(4, 8, 8, 8)
   expected = r"top-level 'params' key.*pass the 'params' collection \(variables\['params'\]\)"
   with pytest.raises(ValueError, match="qk_clip: params has a " + expected):
-    qk_clip(variables, state, threshold=0.01, layout=lay)
+    qk_clip(variables, state, qk_clip_threshold=0.01, layout=lay)
   with pytest.raises(ValueError, match="init_max_logits: params has a " + expected):
     mc.init_max_logits(variables, lay)
   with pytest.raises(ValueError, match=expected):
@@ -515,9 +515,9 @@ def test_apply_output_pair_as_max_logits_says_what_was_expected():
   params = variables["params"]
   expected = r"max_logits is a tuple of length 2; element 1 holds the maxima\. Expected the 'intermediates'.*not the \(y, state\) pair"
   with pytest.raises(TypeError, match="qk_clip: " + expected):
-    qk_clip(params, out, threshold=0.01, layout=lay)
+    qk_clip(params, out, qk_clip_threshold=0.01, layout=lay)
   with pytest.raises(TypeError, match="qk_clip_stats: " + expected):
-    mc.qk_clip_stats(out, threshold=0.01)
+    mc.qk_clip_stats(out, qk_clip_threshold=0.01)
   opt = mc.muonclip(0.1, layout=lay)
   grads = jax.tree.map(jnp.zeros_like, params)
   with pytest.raises(TypeError, match=expected):
@@ -526,12 +526,12 @@ def test_apply_output_pair_as_max_logits_says_what_was_expected():
   with pytest.raises(TypeError, match=expected):
     acc.update(grads, acc.init(params), params, max_logits=out)
   # the pair's second element is what was expected
-  chex.assert_trees_all_equal(qk_clip(params, out[1], threshold=0.01, layout=lay),
-                              qk_clip(params, out[1]["intermediates"], threshold=0.01, layout=lay))
+  chex.assert_trees_all_equal(qk_clip(params, out[1], qk_clip_threshold=0.01, layout=lay),
+                              qk_clip(params, out[1]["intermediates"], qk_clip_threshold=0.01, layout=lay))
   # nnx.capture's (y, intermediates) pair
   model = _NNXModel(nnx.Rngs(0))
   pair = (jnp.zeros(()), nnx.State({"l0": {"max_logits": nnx.Intermediate(jnp.ones(2))}}))
   with pytest.raises(TypeError, match="element 1 holds the maxima"):
-    qk_clip(nnx.state(model, nnx.Param), pair, threshold=3.0, layout=FLAX_LAYOUT)
+    qk_clip(nnx.state(model, nnx.Param), pair, qk_clip_threshold=3.0, layout=FLAX_LAYOUT)
   with pytest.raises(ValueError, match=r"max_logits leaf at 'state/intermediates/max_logits' lies under an 'intermediates' key"):
-    qk_clip(params, {"state": out[1]}, threshold=0.01, layout=lay)
+    qk_clip(params, {"state": out[1]}, qk_clip_threshold=0.01, layout=lay)

@@ -154,7 +154,7 @@ def test_mla_scales_each_head_by_exactly_gamma(lay, seed, fraction, bias, query)
   before = _logits(params["attn"], inputs, lay)
   s = np_max_logits(before).astype(np.float32)
   tau = _threshold(s, fraction)
-  out = qk_clip(params, {"attn": {"max_logits": s}}, threshold=tau, layout=lay)
+  out = qk_clip(params, {"attn": {"max_logits": s}}, qk_clip_threshold=tau, layout=lay)
   after = _logits(out["attn"], inputs, lay)
   clipped, gamma = _gammas(s, tau)
   _assert_scaled(after, before, gamma, exact=~clipped)
@@ -178,7 +178,7 @@ def test_gqa(lay, seed, fraction, bias):
   before = _logits(params["attn"], inputs, lay)
   s = np_max_logits(before).astype(np.float32)
   tau = _threshold(s, fraction)
-  out = qk_clip(params, {"attn": {"max_logits": s}}, threshold=tau, layout=lay)
+  out = qk_clip(params, {"attn": {"max_logits": s}}, qk_clip_threshold=tau, layout=lay)
   after = _logits(out["attn"], inputs, lay)
   clipped, gamma = _gammas(s, tau)
   assert np.all(np_max_logits(after) <= tau * (1 + _TOL))
@@ -210,9 +210,9 @@ def test_idempotent(lay, seed, fraction, bias):
   params, inputs = case(seed, lay, bias=bias)
   s = np_max_logits(_logits(params["attn"], inputs, lay)).astype(np.float32)
   tau = _threshold(s, fraction)
-  once = qk_clip(params, {"attn": {"max_logits": s}}, threshold=tau, layout=lay)
+  once = qk_clip(params, {"attn": {"max_logits": s}}, qk_clip_threshold=tau, layout=lay)
   s2 = np_max_logits(_logits(once["attn"], inputs, lay)).astype(np.float32)
-  twice = qk_clip(once, {"attn": {"max_logits": s2}}, threshold=tau, layout=lay)
+  twice = qk_clip(once, {"attn": {"max_logits": s2}}, qk_clip_threshold=tau, layout=lay)
   chex.assert_trees_all_close(twice, once, rtol=1e-6, atol=0)
   if np.all(s2 <= tau):
     chex.assert_trees_all_equal(twice, once)
@@ -225,7 +225,7 @@ def test_unclipped_heads_bit_for_bit():
   lay = MLALayout(4, 3, 2, 2)
   params, _ = _mla_case(0, lay, bias=True)
   s = np.array([1.0, 50.0, 2.0, 3.0], np.float32)  # only head 1 clipped at tau = 3
-  out = qk_clip(params, {"attn": {"max_logits": s}}, threshold=3.0, layout=lay)
+  out = qk_clip(params, {"attn": {"max_logits": s}}, qk_clip_threshold=3.0, layout=lay)
   q_in, q_out = params["attn"]["wq_b"]["kernel"], np.asarray(out["attn"]["wq_b"]["kernel"])
   q_heads = lambda w: w.reshape(w.shape[0], 4, 5)
   for h in (0, 2, 3):
@@ -240,7 +240,7 @@ def test_dtype_kept(dtype):
   params, _ = _gqa_case(1, lay, bias=True)
   params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
   s = jnp.array([1.0, 9.0, 0.5, 2.0], jnp.bfloat16)
-  out = qk_clip(params, {"attn": {"max_logits": s}}, threshold=2.0, layout=lay)
+  out = qk_clip(params, {"attn": {"max_logits": s}}, qk_clip_threshold=2.0, layout=lay)
   chex.assert_trees_all_equal_dtypes(out, params)
   wq, wq_new = (np.asarray(t["attn"]["wq"]["kernel"], np.float32).reshape(6, 4, 3) for t in (params, out))
   np.testing.assert_array_equal(wq_new[:, [0, 3]], wq[:, [0, 3]])  # group 1 unclipped
@@ -252,14 +252,14 @@ def test_nonfinite_and_nonpositive_maxima_leave_heads_alone():
   lay = MLALayout(6, 2, 2, 1)
   params, _ = _mla_case(2, lay, bias=True)
   s = np.array([np.nan, np.inf, -np.inf, -5.0, 0.0, 40.0], np.float32)
-  out = qk_clip(params, {"attn": {"max_logits": s}}, threshold=4.0, layout=lay)
+  out = qk_clip(params, {"attn": {"max_logits": s}}, qk_clip_threshold=4.0, layout=lay)
   for name, width in (("wq_b", 4), ("wkv_b", 3)):
     old = params["attn"][name]["kernel"].reshape(-1, 6, width)
     new = np.asarray(out["attn"][name]["kernel"]).reshape(-1, 6, width)
     np.testing.assert_array_equal(new[:, :5], old[:, :5])
     assert np.all(np.isfinite(new))
     assert not np.allclose(new[:, 5, :2], old[:, 5, :2])
-  stats = qk_clip_stats({"attn": {"max_logits": s}}, threshold=4.0)["attn"]
+  stats = qk_clip_stats({"attn": {"max_logits": s}}, qk_clip_threshold=4.0)["attn"]
   assert int(stats["num_nonfinite"]) == 3 and int(stats["num_clipped"]) == 1
 
 
@@ -268,8 +268,8 @@ def test_no_threshold_returns_params_unchanged(threshold):
   lay = GQALayout(2, 2, 2)
   params, _ = _gqa_case(0, lay)
   ml = {"attn": {"max_logits": np.full(2, 1e9)}}
-  assert qk_clip(params, ml, threshold=threshold, layout=lay) is params
-  assert qk_clip(params, None, threshold=threshold, layout=lay) is params  # maxima not read
+  assert qk_clip(params, ml, qk_clip_threshold=threshold, layout=lay) is params
+  assert qk_clip(params, None, qk_clip_threshold=threshold, layout=lay) is params  # maxima not read
 
 
 def test_clip_factors():
@@ -298,13 +298,13 @@ def test_jit_matches_eager_and_traced_threshold(lay):
   @jax.jit
   @chex.assert_max_traces(n=1)
   def clip(p, m, tau):
-    return qk_clip(p, m, threshold=tau, layout=lay)
+    return qk_clip(p, m, qk_clip_threshold=tau, layout=lay)
 
   for fraction in (0.3, 0.8, 2.0):
     tau = _threshold(s, fraction)
-    eager = qk_clip(params, ml, threshold=tau, layout=lay)
+    eager = qk_clip(params, ml, qk_clip_threshold=tau, layout=lay)
     chex.assert_trees_all_close(clip(params, ml, tau), eager, rtol=1e-7, atol=0)
-    static = jax.jit(lambda p, m: qk_clip(p, m, threshold=tau, layout=lay))(params, ml)
+    static = jax.jit(lambda p, m: qk_clip(p, m, qk_clip_threshold=tau, layout=lay))(params, ml)
     chex.assert_trees_all_close(static, eager, rtol=1e-7, atol=0)
   # Traced thresholds that are NaN, infinite or <= 0 clip nothing.
   for bad in (np.nan, np.inf, 0.0, -3.0):
@@ -314,7 +314,7 @@ def test_jit_matches_eager_and_traced_threshold(lay):
 def test_stats():
   s = jnp.array([[1.0, 5.0, jnp.nan, 3.0], [2.0, 2.0, -jnp.inf, 200.0]])
   ml = {"intermediates": {"layers": {"attn": {"max_logits": s}}, "head": {"max_logits": s[1]}}}
-  stats = jax.jit(lambda m, t: qk_clip_stats(m, threshold=t))(ml, 2.5)
+  stats = jax.jit(lambda m, t: qk_clip_stats(m, qk_clip_threshold=t))(ml, 2.5)
   assert set(stats) == {"layers/attn", "head"}
   st_ = stats["layers/attn"]
   chex.assert_trees_all_equal(
@@ -329,7 +329,7 @@ def test_stats():
   assert np.isnan(st_["max_logit"][0]) and st_["max_logit"][1] == 200.0
   assert st_["min_gamma"].dtype == jnp.float32 and st_["max_logit"].dtype == jnp.float32
   chex.assert_shape(list(stats["head"].values()), ())
-  off = qk_clip_stats(ml, threshold=None)["layers/attn"]
+  off = qk_clip_stats(ml, qk_clip_threshold=None)["layers/attn"]
   chex.assert_trees_all_equal((off["num_clipped"], off["min_gamma"]), (jnp.zeros(2, jnp.int32), jnp.ones(2)))
 
 
@@ -347,7 +347,7 @@ def test_stacked_layers_match_per_layer(stack, lay):
   maxima = [np_max_logits(_logits(p["attn"], x, lay)).astype(np.float32) for p, x in layers]
   tau = np.float32(np.median(np.concatenate(maxima)))
   per_layer = [
-      qk_clip(p, {"attn": {"max_logits": m}}, threshold=tau, layout=lay)
+      qk_clip(p, {"attn": {"max_logits": m}}, qk_clip_threshold=tau, layout=lay)
       for (p, _), m in zip(layers, maxima)
   ]
   stack_tree = lambda trees: jax.tree.map(
@@ -356,7 +356,7 @@ def test_stacked_layers_match_per_layer(stack, lay):
   stacked = qk_clip(
       stack_tree([p for p, _ in layers]),
       {"attn": {"max_logits": np.stack(maxima).reshape(*stack, -1)}},
-      threshold=tau,
+      qk_clip_threshold=tau,
       layout=lay,
   )
   chex.assert_trees_all_equal(stacked, stack_tree(per_layer))
@@ -401,7 +401,7 @@ def test_head_sharded_kernels_on_mesh(lay, axis_type):
   maxima = np.stack([np_max_logits(_logits(p["attn"], x, lay)) for p, x in layers]).astype(np.float32)
   ml = {"attn": {"max_logits": maxima}}
   tau = np.float32(np.median(maxima))
-  expected = qk_clip(params, ml, threshold=tau, layout=lay)
+  expected = qk_clip(params, ml, qk_clip_threshold=tau, layout=lay)
 
   def shard(path, x):  # head-sharded columns of the clipped projections, the rest replicated
     name = jax.tree_util.keystr(path, simple=True, separator="/")
@@ -411,10 +411,10 @@ def test_head_sharded_kernels_on_mesh(lay, axis_type):
 
   sharded = jax.tree_util.tree_map_with_path(shard, params)
   ml_sharded = jax.device_put(ml, NamedSharding(mesh, P()))
-  fn = jax.jit(lambda p, m: qk_clip(p, m, threshold=tau, layout=lay))
+  fn = jax.jit(lambda p, m: qk_clip(p, m, qk_clip_threshold=tau, layout=lay))
   with jax.set_mesh(mesh):
     out = fn(sharded, ml_sharded)
-    eager = qk_clip(sharded, ml_sharded, threshold=tau, layout=lay)
+    eager = qk_clip(sharded, ml_sharded, qk_clip_threshold=tau, layout=lay)
     hlo = fn.lower(sharded, ml_sharded).compile().as_text()
   for result in (out, eager):
     chex.assert_trees_all_close(result, expected, rtol=1e-7, atol=0)
@@ -446,7 +446,7 @@ def test_dense_general_kernels_sharded_over_heads(lay, axis_type):
     return x if width is None else np.asarray(x).reshape(*x.shape[:-1], -1, width)
 
   params = jax.tree_util.tree_map_with_path(dense_general, flat)
-  expected = jax.tree_util.tree_map_with_path(dense_general, qk_clip(flat, ml, threshold=tau, layout=lay))
+  expected = jax.tree_util.tree_map_with_path(dense_general, qk_clip(flat, ml, qk_clip_threshold=tau, layout=lay))
 
   def shard(path, x):
     heads = [str(k.key) for k in path][1] in widths
@@ -454,7 +454,7 @@ def test_dense_general_kernels_sharded_over_heads(lay, axis_type):
     return jax.device_put(x, NamedSharding(mesh, spec))
 
   sharded = jax.tree_util.tree_map_with_path(shard, params)
-  fn = jax.jit(lambda p, m: qk_clip(p, m, threshold=tau, layout=lay))
+  fn = jax.jit(lambda p, m: qk_clip(p, m, qk_clip_threshold=tau, layout=lay))
   with jax.set_mesh(mesh):
     ml_sharded = jax.device_put(ml, NamedSharding(mesh, P()))
     out = fn(sharded, ml_sharded)
@@ -554,7 +554,7 @@ def test_linen_scanned_boxed_params(mode):
          "top": inter["intermediates"]["top"]["max_logits"]}
   chex.assert_shape([old["layers/attn"], old["top"]], [(3, 4), (4,)])
   tau = float(jnp.median(old["layers/attn"]))
-  clip = jax.jit(lambda p, m: qk_clip(p, m, threshold=tau, layout=lay))
+  clip = jax.jit(lambda p, m: qk_clip(p, m, qk_clip_threshold=tau, layout=lay))
   out = clip(params, inter)
   # Same boxes (logical names included), values as for unboxed params.
   assert jax.tree.structure(out) == jax.tree.structure(params)
@@ -563,7 +563,7 @@ def test_linen_scanned_boxed_params(mode):
   inter2 = apply(out)
   new = {"layers/attn": inter2["intermediates"]["layers"]["attn"]["max_logits"],
          "top": inter2["intermediates"]["top"]["max_logits"]}
-  stats = jax.jit(lambda m: qk_clip_stats(m, threshold=tau))(inter)
+  stats = jax.jit(lambda m: qk_clip_stats(m, qk_clip_threshold=tau))(inter)
   assert set(stats) == set(old)
   for module in old:
     o, n = np.asarray(old[module]), np.asarray(new[module])
@@ -613,11 +613,11 @@ def test_nnx_state():
   s = np.asarray(inter["attn"]["max_logits"][...])
   tau = float(np.median(s))
   state = nnx.state(model, nnx.Param)
-  out = qk_clip(state, inter, threshold=tau, layout=lay)
+  out = qk_clip(state, inter, qk_clip_threshold=tau, layout=lay)
   assert isinstance(out, nnx.State)
   assert jax.tree.structure(out) == jax.tree.structure(state)
   assert isinstance(out["attn"]["wq"]["kernel"], nnx.Param)
-  plain = qk_clip(nnx.to_pure_dict(state), {"attn": {"max_logits": s}}, threshold=tau, layout=lay)
+  plain = qk_clip(nnx.to_pure_dict(state), {"attn": {"max_logits": s}}, qk_clip_threshold=tau, layout=lay)
   chex.assert_trees_all_equal(nnx.to_pure_dict(out), plain)
   nnx.update(model, out)
   new = np.asarray(nnx.capture(model, nnx.Intermediate)(x)[0])
@@ -634,19 +634,19 @@ def test_layout_mapping():
   params = {"dec": {"l0": p_mla, "l1": p_gqa}}
   ml = {"dec": {"l0": {"attn": {"max_logits": np.array([1.0, 9.0])}},
                 "l1": {"attn": {"max_logits": np.array([9.0, 1.0, 1.0, 1.0])}}}}
-  out = qk_clip(params, ml, threshold=3.0, layout={"dec/l0/*": mla, "*/l1/attn": gqa})
+  out = qk_clip(params, ml, qk_clip_threshold=3.0, layout={"dec/l0/*": mla, "*/l1/attn": gqa})
   chex.assert_trees_all_equal(
       out["dec"]["l0"],
-      qk_clip(p_mla, {"attn": {"max_logits": np.array([1.0, 9.0])}}, threshold=3.0, layout=mla),
+      qk_clip(p_mla, {"attn": {"max_logits": np.array([1.0, 9.0])}}, qk_clip_threshold=3.0, layout=mla),
   )
   chex.assert_trees_all_equal(
       out["dec"]["l1"],
-      qk_clip(p_gqa, {"attn": {"max_logits": np.array([9.0, 1.0, 1.0, 1.0])}}, threshold=3.0, layout=gqa),
+      qk_clip(p_gqa, {"attn": {"max_logits": np.array([9.0, 1.0, 1.0, 1.0])}}, qk_clip_threshold=3.0, layout=gqa),
   )
   with pytest.raises(ValueError, match=r"no pattern .* 'dec/l1/attn'"):
-    qk_clip(params, ml, threshold=3.0, layout={"dec/l0/*": mla})
+    qk_clip(params, ml, qk_clip_threshold=3.0, layout={"dec/l0/*": mla})
   with pytest.raises(ValueError, match=r"2 patterns .* 'dec/l0/attn'"):
-    qk_clip(params, ml, threshold=3.0, layout={"dec/*": mla, "*/l0/attn": mla, "*/l1/*": gqa})
+    qk_clip(params, ml, qk_clip_threshold=3.0, layout={"dec/*": mla, "*/l0/attn": mla, "*/l1/*": gqa})
 
 
 def test_attention_module_without_maxima_raises():
@@ -656,36 +656,36 @@ def test_attention_module_without_maxima_raises():
   params = {"l0": p0, "l1": p1}
   ml = {"l0": {"attn": {"max_logits": np.array([9.0, 1.0, 1.0, 1.0], np.float32)}}}
   with pytest.raises(ValueError, match=r"\['l1/attn'\] have the query/key projections .* sow_weights=True"):
-    qk_clip(params, ml, threshold=3.0, layout=lay)
+    qk_clip(params, ml, qk_clip_threshold=3.0, layout=lay)
   both = {**ml, "l1": {"attn": {"max_logits": np.ones(4, np.float32)}}}
-  out = qk_clip(params, both, threshold=3.0, layout=lay)
+  out = qk_clip(params, both, qk_clip_threshold=3.0, layout=lay)
   chex.assert_trees_all_equal(out["l1"], p1)
 
 
 def test_root_module():
   lay = GQALayout(2, 2, 2)
   params, _ = _gqa_case(0, lay)
-  out = qk_clip(params["attn"], {"max_logits": np.array([9.0, 1.0])}, threshold=3.0, layout=lay)
+  out = qk_clip(params["attn"], {"max_logits": np.array([9.0, 1.0])}, qk_clip_threshold=3.0, layout=lay)
   chex.assert_trees_all_equal(
-      out, qk_clip(params, {"attn": {"max_logits": np.array([9.0, 1.0])}}, threshold=3.0, layout=lay)["attn"]
+      out, qk_clip(params, {"attn": {"max_logits": np.array([9.0, 1.0])}}, qk_clip_threshold=3.0, layout=lay)["attn"]
   )
 
 
 # ----------------------------------------------------------------------------- errors
 
 
-def _clip(params, s, *, threshold=3.0, layout, module="attn"):
+def _clip(params, s, *, qk_clip_threshold=3.0, layout, module="attn"):
   ml = {module: {"max_logits": np.asarray(s, np.float32)}}
-  return qk_clip(params, ml, threshold=threshold, layout=layout)
+  return qk_clip(params, ml, qk_clip_threshold=qk_clip_threshold, layout=layout)
 
 
 @pytest.mark.parametrize("threshold", [float("nan"), 0.0, -1.0, np.float32(-2.0), jnp.float32(jnp.nan)])
 def test_bad_threshold(threshold):
   params, _ = _gqa_case(0, GQALayout(2, 2, 2))
-  with pytest.raises(ValueError, match="threshold must be > 0"):
-    _clip(params, [1.0, 2.0], threshold=threshold, layout=GQALayout(2, 2, 2))
-  with pytest.raises(ValueError, match="threshold must be > 0"):
-    qk_clip_stats({"attn": {"max_logits": np.ones(2)}}, threshold=threshold)
+  with pytest.raises(ValueError, match="qk_clip_threshold must be > 0"):
+    _clip(params, [1.0, 2.0], qk_clip_threshold=threshold, layout=GQALayout(2, 2, 2))
+  with pytest.raises(ValueError, match="qk_clip_threshold must be > 0"):
+    qk_clip_stats({"attn": {"max_logits": np.ones(2)}}, qk_clip_threshold=threshold)
 
 
 @pytest.mark.parametrize("threshold", [True, np.bool_(True), "10", 10j, [10.0]])
@@ -694,15 +694,36 @@ def test_threshold_takes_the_types_muonclip_takes(threshold):
   taken as 1.0, "10" as 10.0), and take NumPy/JAX scalars and inf like it does."""
   lay = GQALayout(2, 2, 2)
   params, _ = _gqa_case(0, lay)
-  with pytest.raises(TypeError, match=r"qk_clip: threshold must be a real number"):
-    _clip(params, [1.0, 2.0], threshold=threshold, layout=lay)
-  with pytest.raises(TypeError, match=r"qk_clip: threshold must be a real number"):
-    qk_clip_stats({"attn": {"max_logits": np.ones(2)}}, threshold=threshold)
+  with pytest.raises(TypeError, match=r"qk_clip: qk_clip_threshold must be a real number"):
+    _clip(params, [1.0, 2.0], qk_clip_threshold=threshold, layout=lay)
+  with pytest.raises(TypeError, match=r"qk_clip: qk_clip_threshold must be a real number"):
+    qk_clip_stats({"attn": {"max_logits": np.ones(2)}}, qk_clip_threshold=threshold)
   with pytest.raises(TypeError, match=r"qk_clip_threshold must be a real number"):
     mc.muonclip(0.1, layout=lay, qk_clip_threshold=threshold)
   for ok in (np.float32(1.5), jnp.asarray(1.5), 1, float("inf")):
-    _clip(params, [1.0, 2.0], threshold=ok, layout=lay)
+    _clip(params, [1.0, 2.0], qk_clip_threshold=ok, layout=lay)
     mc.muonclip(0.1, layout=lay, qk_clip_threshold=ok)
+
+
+def test_the_old_spelling_threshold_is_deprecated():
+  """``threshold=`` was renamed ``qk_clip_threshold=`` (muonclip's and the metrics' name for
+  tau): still accepted for one release, with a warning naming the caller's line."""
+  lay = GQALayout(2, 2, 2)
+  params, _ = _gqa_case(0, lay)
+  ml = {"attn": {"max_logits": np.asarray([1.0, 6.0], np.float32)}}
+  calls = {
+      "qk_clip": lambda **kw: qk_clip(params, ml, layout=lay, **kw),
+      "qk_clip_stats": lambda **kw: qk_clip_stats(ml, **kw),
+      "clip_factors": lambda **kw: mc.clip_factors(ml["attn"]["max_logits"], **kw),
+      "qk_clip_transform": lambda **kw: mc.qk_clip_transform(layout=lay, **kw).init(params),
+  }
+  for name, call in calls.items():
+    with pytest.warns(DeprecationWarning, match=rf"{name}\(\): 'threshold' is deprecated .* use 'qk_clip_threshold'") as w:
+      old = call(threshold=3.0)
+    assert [x.filename for x in w] == [__file__], name
+    chex.assert_trees_all_equal(old, call(qk_clip_threshold=3.0))
+    with pytest.raises(TypeError, match=rf"{name}\(\) got both 'threshold' \(deprecated\) and 'qk_clip_threshold'"):
+      call(threshold=3.0, qk_clip_threshold=3.0)
 
 
 def test_errors():
@@ -711,7 +732,7 @@ def test_errors():
   with pytest.raises(ValueError, match=r"'other/wq/kernel'"):
     _clip(params, np.ones(4), layout=gqa, module="other")
   with pytest.raises(ValueError, match=r"no leaf named 'max_logits'"):
-    qk_clip(params, {"attn": {"logits": np.ones(4)}}, threshold=3.0, layout=gqa)
+    qk_clip(params, {"attn": {"logits": np.ones(4)}}, qk_clip_threshold=3.0, layout=gqa)
   with pytest.raises(ValueError, match=r"attn/max_logits has shape \(5,\) \(5 heads\).*num_heads=4"):
     _clip(params, np.ones(5), layout=gqa)
   with pytest.raises(ValueError, match=r"attn/wq/kernel has shape \(6, 12\), i\.e\. 6 heads of 2 columns"):

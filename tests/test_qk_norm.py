@@ -74,9 +74,9 @@ def test_clip_acts_on_norm_scales_and_bounds_every_head(per_head, hkv, offset):
               key=Projection("k_einsum", leaf="w", axes=("heads", "in", "head_dim")))
   with pytest.raises(ValueError, match=r"layer_0/attn/_query_norm looks like a QK-norm.*query_norm='_query_norm', "
                                        r"key_norm='_key_norm'"):
-    qk_clip(params, ml, threshold=tau, layout=GQALayout(H, hkv, HD, **base))
+    qk_clip(params, ml, qk_clip_threshold=tau, layout=GQALayout(H, hkv, HD, **base))
   lay = GQALayout(H, hkv, HD, query_norm="_query_norm", key_norm="_key_norm", norm_scale_offset=offset, **base)
-  clipped = jax.jit(lambda p, m: qk_clip(p, m, threshold=tau, layout=lay))(params, ml)
+  clipped = jax.jit(lambda p, m: qk_clip(p, m, qk_clip_threshold=tau, layout=lay))(params, ml)
   after = np.stack([np.asarray(v["attn"]["max_logits"]) for v in _gemma_maxima(clipped, x, offset).values()])
   assert np.all(after <= tau * (1 + 1e-5)), (s, after, tau)
   assert np.any(s > tau) and np.any(after < s)  # the clip did act
@@ -111,7 +111,7 @@ def test_flax_normalize_qk_is_refused_undeclared_and_clipped_declared():
   s = np.stack([np.asarray(state["intermediates"][f"attn_{i}"]["max_logits"][0]) for i in range(2)])
   tau = float(np.median(s))
   normed = GQALayout(H, H, HD, query="query", key="key", query_norm="query_ln", key_norm="key_ln")
-  clipped = qk_clip(params, state, threshold=tau, layout=normed)
+  clipped = qk_clip(params, state, qk_clip_threshold=tau, layout=normed)
   _, after = model.apply({"params": clipped}, x, mutable=["intermediates"])
   after = np.stack([np.asarray(after["intermediates"][f"attn_{i}"]["max_logits"][0]) for i in range(2)])
   assert np.any(s > tau) and np.all(after <= tau * (1 + 1e-5)), (s, after, tau)
@@ -122,7 +122,7 @@ def test_nnx_normalize_qk_is_refused():
                                rngs=nnx.Rngs(0))
   params = nnx.state(mha, nnx.Param)
   with pytest.raises(ValueError, match="query_ln looks like a QK-norm"):
-    qk_clip(params, {"max_logits": jnp.full((H,), 9.0)}, threshold=1.0,
+    qk_clip(params, {"max_logits": jnp.full((H,), 9.0)}, qk_clip_threshold=1.0,
             layout=GQALayout(H, H, HD, query="query", key="key"))
 
 
@@ -134,6 +134,6 @@ def test_norm_declarations_are_checked():
   params = {"wq": {"kernel": np.ones((4, 8), np.float32)}, "wk": {"kernel": np.ones((4, 8), np.float32)},
             "q_norm": {"scale": np.ones((3,), np.float32)}, "k_norm": {"scale": np.ones((4,), np.float32)}}
   with pytest.raises(ValueError, match=r"q_norm/scale has shape \(3,\); a QK-norm scale is expected"):
-    qk_clip(params, {"max_logits": jnp.full((2,), 9.0)}, threshold=1.0,
+    qk_clip(params, {"max_logits": jnp.full((2,), 9.0)}, qk_clip_threshold=1.0,
             layout=GQALayout(2, 2, 4, query_norm="q_norm", key_norm="k_norm"))
 

@@ -73,7 +73,7 @@ def test_recipe_maxtext_scanned():
   tau = tau_between(maxima)
   with pytest.raises(ValueError, match=r"attention_op/max_logits of shape \(2, 2, 4\) lies below the attention "
                                        r"module 'layers/self_attention'.*reduce_max_logits"):
-    mc.qk_clip(params, inter, threshold=tau, layout=cfg.layout)  # the batch axis is never read as layers
+    mc.qk_clip(params, inter, qk_clip_threshold=tau, layout=cfg.layout)  # the batch axis is never read as layers
   # 2. one muonclip step = muon_adamw + query head h of layer l scaled by gamma (clip_mode="query")
   clip, plain = mod.optimizer(cfg, LR, tau), mc.muon_adamw(LR)
   u, _ = jax.jit(clip.update)(grads, clip.init(params), params, max_logits=reduced)
@@ -84,7 +84,7 @@ def test_recipe_maxtext_scanned():
   expected = {name: np.asarray(flat(p_ref)[name], np.float64) * gamma[None, :, :, None]}
   check_step(p_clip, p_ref, expected)  # every other leaf, value and out included, bit for bit
   # 3. after the clip, each layer recomputed on its same input: clipped heads <= tau, others bit for bit
-  clipped = mc.qk_clip(params, reduced, threshold=tau, layout=cfg.layout)
+  clipped = mc.qk_clip(params, reduced, qk_clip_threshold=tau, layout=cfg.layout)
   before = _layer_maxima(cfg, attn, store_x)
   after = _layer_maxima(cfg, clipped["layers"]["self_attention"], store_x)
   np.testing.assert_allclose(before, maxima, rtol=2e-5, atol=2e-6)

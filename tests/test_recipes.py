@@ -268,9 +268,9 @@ def test_recipes_bad_inputs_name_path_shape_and_expectation():
   params = _zeros_params(recipe_llama_gqa.Llama(llama), tokens)
   maxima = {f"layers_{i}": {"self_attn": {"max_logits": jnp.ones(4)}} for i in range(2)}
   with pytest.raises(ValueError, match=r"layers_0/self_attn.*wq/kernel.*q_proj/kernel"):  # layout without names
-    mc.qk_clip(params, maxima, threshold=0.5, layout=mc.GQALayout(4, 2, 8))
+    mc.qk_clip(params, maxima, qk_clip_threshold=0.5, layout=mc.GQALayout(4, 2, 8))
   with pytest.raises(ValueError, match=r"k_proj/kernel has shape \(32, 16\).*expected 4 heads"):  # wrong kv heads
-    mc.qk_clip(params, maxima, threshold=0.5, layout=mc.GQALayout(4, 4, 8, query="q_proj", key="k_proj"))
+    mc.qk_clip(params, maxima, qk_clip_threshold=0.5, layout=mc.GQALayout(4, 4, 8, query="q_proj", key="k_proj"))
   gpt = recipe_linen_gpt.Config()
   params = _zeros_params(recipe_linen_gpt.GPT(gpt), tokens)
   with pytest.raises(ValueError, match=r"block_0/attn/key/kernel: .*shape \(32, 4, 8\).*DenseGeneral"):

@@ -78,7 +78,7 @@ def replaying_inputs(attention_cls, store, mode):
 
 def check_clip_bounds(forward, attention_cls, params, intermediates, tau, layout, num_heads, untouched):
   """Check 4 of the module docstring; ``untouched`` (layers, heads) marks heads whose q and k stay as they were."""
-  clipped_params = mc.qk_clip(params, intermediates, threshold=tau, layout=layout)
+  clipped_params = mc.qk_clip(params, intermediates, qk_clip_threshold=tau, layout=layout)
 
   @jax.jit
   def both(p, p2):

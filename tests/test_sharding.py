@@ -226,7 +226,7 @@ def test_planted_max_logit_on_one_data_shard_clips_every_shard(mesh_name, num_mi
                              rtol=1e-5)
   assert float(metrics["max_logit"]) == pytest.approx(float(per_example.max()), rel=1e-5)
   global_maxima = {"layers": {"attn": {"max_logits": jnp.asarray(per_example.max(0))}}}
-  ref = mc.qk_clip(params, global_maxima, threshold=tau, layout=CFG.layout)
+  ref = mc.qk_clip(params, global_maxima, qk_clip_threshold=tau, layout=CFG.layout)
   kernel = out["layers"]["attn"]["wq_b"]["kernel"]
   ref_kernel = np.asarray(ref["layers"]["attn"]["wq_b"]["kernel"])
   width = CFG.qk_nope_head_dim + CFG.qk_rope_head_dim
@@ -260,7 +260,7 @@ def test_compiled_clip_scales_in_place_without_all_gather(mesh_name):
   factor_size = CFG.num_layers * params["layers"]["attn"]["wq_b"]["kernel"].shape[-1]  # 64
   smallest_kernel = min(x.size for x in jax.tree.leaves(params["layers"]["attn"]) if x.ndim == 3)  # 1024
   assert factor_size < smallest_kernel // 8
-  clip = jax.jit(lambda p, m: mc.qk_clip(p, m, threshold=TAU, layout=CFG.layout), out_shardings=ps)
+  clip = jax.jit(lambda p, m: mc.qk_clip(p, m, qk_clip_threshold=TAU, layout=CFG.layout), out_shardings=ps)
   compiled = clip.lower(sharded, maxima).compile()
   transform = mc.qk_clip_transform(TAU, layout=CFG.layout)
   zeros = jax.tree.map(jnp.zeros_like, sharded)
@@ -270,7 +270,7 @@ def test_compiled_clip_scales_in_place_without_all_gather(mesh_name):
     assert not found["all-gather"], found
     assert max(_elements(sum(found.values(), [])), default=0) <= factor_size, found
   chex.assert_trees_all_close(jax.device_get(compiled(sharded, maxima)),
-                              mc.qk_clip(params, maxima, threshold=TAU, layout=CFG.layout), atol=1e-7)
+                              mc.qk_clip(params, maxima, qk_clip_threshold=TAU, layout=CFG.layout), atol=1e-7)
 
 
 # ----------------------------------------------------------------------------- Newton–Schulz

@@ -75,7 +75,7 @@ def test_exact_clip_bounds_every_layer_of_a_deep_model(cfg):
 
 
 def _stats(loss_fn, params, batch, tau):
-  stats = mc.qk_clip_stats(loss_fn(params, batch)[1], threshold=tau).values()
+  stats = mc.qk_clip_stats(loss_fn(params, batch)[1], qk_clip_threshold=tau).values()
   return sum(int(jnp.sum(s["num_clipped"])) for s in stats), min(float(jnp.min(s["min_gamma"])) for s in stats)
 
 
