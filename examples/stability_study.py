@@ -111,7 +111,11 @@ def main(argv=None) -> int:
 
 
 def build(arm: Arm, steps: int, shardings):
-  """``(LMConfig, optimizer, make_train_step keywords)`` of one arm."""
+  """``(LMConfig, optimizer, make_train_step keywords)`` of one arm.
+
+  tau goes to the optimizer when it clips (``muonclip``), else to the train step (its
+  metrics, and the exact clip).
+  """
   import optax
 
   import muonclip_jax as mc
@@ -119,13 +123,14 @@ def build(arm: Arm, steps: int, shardings):
 
   cfg = model_config(arm)
   if arm.optimizer == "adamw":
-    return cfg, optax.adamw(demo.lr_schedule(demo.LR_ADAMW, steps), b1=0.9, b2=0.95, weight_decay=0.1), {}
+    return (cfg, optax.adamw(demo.lr_schedule(demo.LR_ADAMW, steps), b1=0.9, b2=0.95, weight_decay=0.1),
+            dict(qk_clip_threshold=arm.tau))
   lr = demo.lr_schedule(demo.LR_MUON, steps)
   kw = dict(matrix_axes=MATRIX_AXES, shard_orthogonalization=shardings)
   if arm.clip == "alg1":
     return cfg, mc.muonclip(lr, layout=cfg.layout, qk_clip_threshold=arm.tau, **kw), {}
   step_kw = dict(exact_clip=True, layout=cfg.layout) if arm.clip == "exact" else {}
-  return cfg, mc.muon_adamw(lr, **kw), step_kw
+  return cfg, mc.muon_adamw(lr, **kw), dict(qk_clip_threshold=arm.tau, **step_kw)
 
 
 def model_config(arm: Arm):
@@ -183,7 +188,7 @@ def train_all(args) -> None:
         if place.shardings is not None:  # the distributed Newton-Schulz needs the shardings
           cfg, opt, step_kw = build(arm, args.steps, place.shardings)
         loss_fn = make_loss_fn(cfg)
-        step_fn = training.make_train_step(loss_fn, opt, qk_clip_threshold=arm.tau, **step_kw)
+        step_fn = training.make_train_step(loss_fn, opt, **step_kw)
         if cfg not in evals:
           evals[cfg] = jax.jit(lambda p, b, f=loss_fn: f(p, b)[0])
         built[arm.name] = (cfg, place, opt, step_fn, evals[cfg])

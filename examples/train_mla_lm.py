@@ -301,8 +301,10 @@ def run(args) -> int:
   loss_fn = make_loss_fn(cfg)
   muon_kw = dict(matrix_axes=MATRIX_AXES, shard_orthogonalization=place.shardings)
   optimizers = {
-      "adamw": (optax.adamw(lr_schedule(LR_ADAMW, args.steps), b1=0.9, b2=0.95, weight_decay=0.1), {}),
-      "muon": (mc.muon_adamw(lr_schedule(LR_MUON, args.steps), **muon_kw), {}),
+      # tau goes to the optimizer that clips, else to the train step (for its metrics)
+      "adamw": (optax.adamw(lr_schedule(LR_ADAMW, args.steps), b1=0.9, b2=0.95, weight_decay=0.1),
+                dict(qk_clip_threshold=args.tau)),
+      "muon": (mc.muon_adamw(lr_schedule(LR_MUON, args.steps), **muon_kw), dict(qk_clip_threshold=args.tau)),
       "muonclip": (
           mc.muonclip(lr_schedule(LR_MUON, args.steps), layout=cfg.layout, qk_clip_threshold=args.tau, **muon_kw),
           dict(exact_clip=True, layout=cfg.layout),
@@ -314,7 +316,7 @@ def run(args) -> int:
   results = {}
   for name in args.optimizers:
     opt, step_kw = optimizers[name]
-    step_fn = training.make_train_step(loss_fn, opt, qk_clip_threshold=args.tau, **step_kw)
+    step_fn = training.make_train_step(loss_fn, opt, **step_kw)
     state = place.init(opt, params0)
     step = place.jit(step_fn, state)
     records, sec = train(name, step, params0, state, batches, place, eval_fn, val_batch, args.eval_every,

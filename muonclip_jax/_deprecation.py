@@ -1,9 +1,9 @@
 """Deprecated spellings and values: accepted for one release, with a DeprecationWarning.
 
 Each deprecation is listed in ``CHANGELOG.md``. The warning is attributed to the first
-caller outside this library (and outside Flax's module machinery, which constructs Linen
-modules), so the user sees the line to change, however deep inside the library the
-deprecated argument is read, and Python's default filter (which shows a
+caller outside this library and the libraries that call into it (Flax's module machinery,
+JAX's tracing, optax's wrappers), so the user sees the line to change, however deep inside
+the library the deprecated argument is read, and Python's default filter (which shows a
 DeprecationWarning only when it is attributed to ``__main__``) shows it to a script.
 """
 
@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 F = TypeVar("F", bound=Callable[..., Any])
 
 # Modules whose frames stand between a user's call and the place that warns.
-_INTERNAL = ("muonclip_jax", "flax", "dataclasses", "functools", "contextlib")
+_INTERNAL = ("muonclip_jax", "flax", "jax", "jaxlib", "optax", "dataclasses", "functools", "contextlib")
 
 
 def user_stacklevel() -> int:

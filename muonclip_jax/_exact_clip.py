@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from ._deprecation import renamed_keywords
 from ._max_logits import nest_max_logits
-from ._qk_clip import clip_decisions, qk_clip
+from ._qk_clip import clip_decisions, no_clip_decisions, qk_clip
 
 
 @renamed_keywords(threshold="qk_clip_threshold")
@@ -72,9 +72,38 @@ def exact_clip_with_factors(params: Any, measure: Callable[[Any], dict[str, jax.
     params, scaled, total = clip(params, maxima, scaled, total)
     return params, measure(params), passes + 1, scaled, total
 
-  scaled = {m: jnp.zeros(s.shape, bool) for m, s in maxima.items()}
-  total = {m: jnp.ones(s.shape, jnp.float32) for m, s in maxima.items()}
+  scaled, total = no_clip_decisions(maxima)
   params, maxima, passes, scaled, total = jax.lax.while_loop(
       cond, body, (params, maxima, jnp.ones((), jnp.int32), scaled, total))
   params, scaled, total = clip(params, maxima, scaled, total)
   return params, passes, scaled, total
+
+
+def exact_clip_step(params: Any, measure: Callable[[Any], dict[str, jax.Array]], *, qk_clip_threshold: Any,
+                    layout: Any, rtol: float, updated: jax.Array | None,
+                    like: dict[str, jax.Array]) -> tuple[Any, jax.Array, dict, dict]:
+  """The exact clip of one train step: ``exact_clip_with_factors``, where the weights changed.
+
+  ``updated`` is None when every call updates the weights; under ``optax.MultiSteps`` /
+  ``multi_steps`` it is whether this call made the real update, and the other micro-steps
+  leave ``params`` as they are (0 passes, nothing scaled; ``like``, the step's maxima, gives
+  the shapes).
+  """
+
+  def clip_now(p):
+    return exact_clip_with_factors(p, measure, qk_clip_threshold=qk_clip_threshold, layout=layout, rtol=rtol)
+
+  if updated is None:
+    return clip_now(params)
+
+  def skip(p):
+    return (p, jnp.zeros((), jnp.int32), *no_clip_decisions(like))
+
+  return jax.lax.cond(updated, clip_now, skip, params)
+
+
+def exact_rtol(params: Any, compute_dtype: Any) -> float:
+  """1e-4, or the machine epsilon of the forward's lowest-precision float dtype if larger."""
+  dtypes = [jnp.dtype(compute_dtype)] if compute_dtype is not None else [
+      jnp.result_type(x) for x in jax.tree.leaves(params) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+  return max([1e-4] + [float(jnp.finfo(d).eps) for d in dtypes])

@@ -151,6 +151,12 @@ def clip_decisions(max_logits: jax.Array, threshold: Any) -> tuple[jax.Array, ja
   return _gamma(jnp.asarray(max_logits, jnp.float32), jnp.asarray(threshold, jnp.float32))
 
 
+def no_clip_decisions(max_logits: Mapping[str, jax.Array]) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+  """``clip_decisions`` of a clip that scales nothing, per module of ``{module: (*stack, H)}``: False and 1."""
+  return ({m: jnp.zeros(jnp.shape(s), bool) for m, s in max_logits.items()},
+          {m: jnp.ones(jnp.shape(s), jnp.float32) for m, s in max_logits.items()})
+
+
 @renamed_keywords(threshold="qk_clip_threshold")
 def clip_factors(max_logits: jax.Array, qk_clip_threshold: Any) -> jax.Array:
   """QK-Clip factors gamma_h = min(1, tau / S_max^h) (Kimi K2, section 2.1, Algorithm 1).

@@ -134,7 +134,7 @@ def _single_device_run():
   opt = _opt()
   params = _params()
   state = opt.init(params)
-  step = jax.jit(training.make_train_step(LOSS_FN, opt, qk_clip_threshold=TAU))
+  step = jax.jit(training.make_train_step(LOSS_FN, opt))
   history = []
   for t in range(STEPS):
     params, state, metrics = step(params, state, BATCHES[t % 2])
@@ -162,7 +162,7 @@ def test_sharded_train_step_matches_single_device(mesh_name):
   state = sharding.init_state(opt, params, ps)
   ss = jax.tree.map(lambda x: x.sharding, state)
   bs = sharding.batch_shardings(BATCHES[0], mesh)
-  step = sharding.jit_train_step(training.make_train_step(LOSS_FN, opt, qk_clip_threshold=TAU), ps, ss, bs)
+  step = sharding.jit_train_step(training.make_train_step(LOSS_FN, opt), ps, ss, bs)
   in_params, in_state, before, ref_before = params, state, jax.device_get(params), _params()
   for t in range(STEPS):
     params, state, metrics = step(params, state, jax.device_put(BATCHES[t % 2], bs))
@@ -220,7 +220,7 @@ def test_planted_max_logit_on_one_data_shard_clips_every_shard(mesh_name, num_mi
   sharded_params = jax.device_put(params, ps)
   state = sharding.init_state(opt, sharded_params, ps)
   bs = sharding.batch_shardings(tokens, mesh)
-  step = jax.jit(training.make_train_step(LOSS_FN, opt, qk_clip_threshold=tau, num_microbatches=num_microbatches))
+  step = jax.jit(training.make_train_step(LOSS_FN, opt, num_microbatches=num_microbatches))
   out, _, metrics = step(sharded_params, state, jax.device_put(tokens, bs))
   np.testing.assert_allclose(np.asarray(metrics["max_logit_per_layer"]["layers/attn"]), per_example.max(0).max(-1),
                              rtol=1e-5)

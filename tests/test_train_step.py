@@ -177,8 +177,8 @@ def test_multi_steps_metrics_and_exact_clip_act_only_at_the_real_update():
                             layout=MLA.layout)
   plain = mc.multi_steps(mc.muon_adamw(0.05, matrix_axes=AXES), 2, layout=MLA.layout)
   for opt, exact in ((clipping, False), (plain, True)):
-    step = jax.jit(training.make_train_step(loss_fn, opt, qk_clip_threshold=tau, layout=MLA.layout,
-                                            exact_clip=exact))
+    step = jax.jit(training.make_train_step(loss_fn, opt, qk_clip_threshold=None if opt is clipping else tau,
+                                            layout=MLA.layout, exact_clip=exact))
     p, state = params, opt.init(params)
     for t, batch in enumerate(batches(2)):
       assert _stats(loss_fn, p, batch, tau)[0] > 0  # this microbatch alone is above tau
@@ -233,12 +233,12 @@ def test_jit_train_step_passes_the_dropout_rng_on_a_mesh(explicit, batch_size):
 def test_microbatches_of_a_batch_sharded_on_an_explicit_mesh():
   """Microbatch i is rows [i B/k, (i+1) B/k), sharded like the batch where B/k divides."""
   from jax.sharding import NamedSharding, PartitionSpec as P
-  from muonclip_jax.training import _split_microbatches
+  from muonclip_jax._microbatches import split_microbatches
 
   mesh = jax.make_mesh((4, 2), ("data", "model"))
   x = jax.device_put(jnp.arange(16 * 3).reshape(16, 3), NamedSharding(mesh, P("data")))
   for k, lead in ((2, "data"), (8, None)):
-    out = jax.jit(lambda b, k=k: _split_microbatches(b, k))(x)
+    out = jax.jit(lambda b, k=k: split_microbatches(b, k))(x)
     np.testing.assert_array_equal(out, np.arange(16 * 3).reshape(k, 16 // k, 3))
     assert out.sharding.spec[:2] == P(None, lead)[:2], out.sharding
 
