@@ -48,6 +48,7 @@ from . import _newton_schulz
 from . import _ns_hybrid as hybrid
 from . import _ns_planner as planner
 from . import _split_ns
+from ._deprecation import renamed_keywords
 from ._matrix_axes import from_matrices, to_matrices
 from ._paths import path_str
 
@@ -218,10 +219,11 @@ def default_flops(m: int, n: int) -> float:
   return float(_newton_schulz.ns_flops((m, n)))
 
 
+@renamed_keywords(split="shard_split")
 def orthogonalize_sharded(xs: Sequence[jax.Array], axes: Sequence[tuple], ns: Callable[[jax.Array], jax.Array],
                           *, mesh: Mesh, shardings: Sequence[NamedSharding | None] | None = None,
                           flops: Callable[[int, int], float] | None = None, ns_kwargs: dict | None = None,
-                          split: str = "auto") -> list:
+                          shard_split: str = "auto") -> list:
   """``ns`` of every matrix of every leaf, each matrix orthogonalized on one device only.
 
   Args:
@@ -238,7 +240,7 @@ def orthogonalize_sharded(xs: Sequence[jax.Array], axes: Sequence[tuple], ns: Ca
     ns_kwargs: when ``ns`` is ``newton_schulz(**ns_kwargs)``, those arguments: then a
       matrix too large for whole-matrix placement may be split over a device group
       (``_ns_hybrid``, ``_split_ns``). None: every matrix whole.
-    split: ``"auto"`` (split where the ``_ns_cost`` H100 model says it pays), ``"always"``
+    shard_split: ``"auto"`` (split where the ``_ns_cost`` H100 model says it pays), ``"always"``
       (wherever it lowers the most loaded device's FLOPs) or ``"never"``.
 
   Returns:
@@ -250,7 +252,7 @@ def orthogonalize_sharded(xs: Sequence[jax.Array], axes: Sequence[tuple], ns: Ca
   leaves = describe(xs, axes, mesh, shardings)
   if mesh.size == 1:
     return [_from_wide(lf, ns(_to_wide(lf, x)), x.shape) for x, lf in zip(xs, leaves)]
-  hplan = plan_of(leaves, mesh, flops, ns_kwargs, split)
+  hplan = plan_of(leaves, mesh, flops, ns_kwargs, shard_split)
   split_iter = None if ns_kwargs is None else (lambda m, n: _split_ns.resolve(ns_kwargs, m, n))
   specs = tuple(P(*lf.spec) for lf in leaves)
   fn = jax.shard_map(_executor(leaves, hplan, mesh, ns, split_iter), mesh=mesh, in_specs=specs, out_specs=specs,
@@ -304,5 +306,6 @@ def orthogonalize_leaves_sharded(gs: list, ms: list, axes: list, direction: Call
     shardings = [table.get(p) for p in paths]
   ds = [direction(g, m) for g, m in zip(gs, ms)]
   out = orthogonalize_sharded(ds, axes, lambda x: _newton_schulz.newton_schulz(x, **ns_kwargs), mesh=mesh,
-                              shardings=shardings, flops=ns_flops_of(ns_kwargs), ns_kwargs=ns_kwargs, split=split)
+                              shardings=shardings, flops=ns_flops_of(ns_kwargs), ns_kwargs=ns_kwargs,
+                              shard_split=split)
   return [finish(i, o) for i, o in enumerate(out)]

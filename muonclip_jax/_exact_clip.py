@@ -41,6 +41,24 @@ def exact_qk_clip(params: Any, measure: Callable[[Any], dict[str, jax.Array]], *
   (int32, 1 to L) is the number of forward passes taken; the last clip needs no forward
   pass after it (it is the L-th clip, or clips nothing). ``make_train_step(exact_clip=True)``
   also reports the product of the factors each head received over the passes.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, muonclip_jax as mc
+    >>> from muonclip_jax import training
+    >>> layout = mc.GQALayout(num_heads=2, num_kv_heads=2, head_dim=4)
+    >>> k = jax.random.split(jax.random.key(0), 3)
+    >>> params = {"attn": {"wq": {"kernel": 3 * jax.random.normal(k[0], (8, 8))},
+    ...                    "wk": {"kernel": 3 * jax.random.normal(k[1], (8, 8))}}}
+    >>> x = jax.random.normal(k[2], (2, 5, 8))
+    >>> def measure(p):  # each head's largest scaled logit on the batch x
+    ...   q = (x @ p["attn"]["wq"]["kernel"]).reshape(2, 5, 2, 4)
+    ...   kk = (x @ p["attn"]["wk"]["kernel"]).reshape(2, 5, 2, 4)
+    ...   return {"attn": jnp.einsum("bqhd,bkhd->bhqk", q, kk).max(axis=(0, 2, 3)) / 2}
+    >>> bool(jnp.max(measure(params)["attn"]) > 10.0)
+    True
+    >>> clipped, passes = training.exact_qk_clip(params, measure, qk_clip_threshold=10.0, layout=layout)
+    >>> bool(jnp.max(measure(clipped)["attn"]) <= 10.0 * (1 + 1e-4)), int(passes)
+    (True, 1)
   """
   return exact_clip_with_factors(params, measure, qk_clip_threshold=qk_clip_threshold, layout=layout, rtol=rtol)[:2]
 

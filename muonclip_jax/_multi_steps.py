@@ -8,8 +8,10 @@ arguments of the last micro-step, so ``multi_steps`` keeps the running maximum i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -21,10 +23,11 @@ from ._state_checks import check_opt_state
 
 def multi_steps(
     opt: optax.GradientTransformation,
-    every_k_schedule: int | Any,
+    every_k_schedule: int | Callable[[jax.Array], jax.Array],
     *,
     layout: Any,
-    **multi_steps_kwargs: Any,
+    use_grad_mean: bool = True,
+    should_skip_update_fn: Callable[..., Any] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """``optax.MultiSteps`` that also accumulates ``max_logits`` (maximum) over micro-steps.
 
@@ -39,9 +42,28 @@ def multi_steps(
     layout: the attention layout (as for ``muonclip``); it sizes the running maximum.
       Maxima written below the attention module as ``(..., batch, heads)`` (MaxText) are
       passed as ``max_logits=muonclip_jax.reduce_max_logits(intermediates)``.
-    **multi_steps_kwargs: passed to ``optax.MultiSteps``.
+    use_grad_mean, should_skip_update_fn: as for ``optax.MultiSteps``.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    ``MultiStepsMaxLogitsState``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, muonclip_jax as mc
+    >>> layout = mc.GQALayout(num_heads=2, num_kv_heads=2, head_dim=4)
+    >>> params = {"attn": {"wq": {"kernel": jnp.ones((8, 8))}, "wk": {"kernel": jnp.ones((8, 8))}}}
+    >>> clip = optax.chain(optax.sgd(0.0), mc.qk_clip_transform(100.0, layout=layout))
+    >>> opt = mc.multi_steps(clip, 2, layout=layout)
+    >>> state = opt.init(params)
+    >>> grads = jax.tree.map(jnp.zeros_like, params)
+    >>> for maxima in ([400.0, 50.0], [50.0, 50.0]):  # two microbatches; head 0 hot in the first
+    ...   updates, state = opt.update(grads, state, params, max_logits={"attn": {"max_logits": jnp.array(maxima)}})
+    ...   params = optax.apply_updates(params, updates)
+    >>> params["attn"]["wq"]["kernel"][0]  # clipped once, with the maximum over both
+    Array([0.5, 0.5, 0.5, 0.5, 1. , 1. , 1. , 1. ], dtype=float32)
   """
-  inner = optax.MultiSteps(opt, every_k_schedule, **multi_steps_kwargs)
+  inner = optax.MultiSteps(opt, every_k_schedule, use_grad_mean=use_grad_mean,
+                           should_skip_update_fn=should_skip_update_fn)
 
   def init_fn(params):
     state = inner.init(params)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._accumulation import merge_max_logits
-from ._deprecation import warn_deprecated
+from ._deprecation import renamed_keywords, warn_deprecated
 from ._max_logits import nest_max_logits
 from ._opt_state_view import OptStateView
 from ._qk_clip import clip_decisions, no_clip_decisions, qk_clip_stats, threshold_or_nan
@@ -46,7 +46,8 @@ def step_threshold(given: Any, before: OptStateView, after: OptStateView,
   return threshold_or_nan(given)
 
 
-def clip_metrics(maxima: dict[str, jax.Array], threshold: Any) -> dict[str, Any]:
+@renamed_keywords(threshold="qk_clip_threshold")
+def clip_metrics(maxima: dict[str, jax.Array], qk_clip_threshold: Any) -> dict[str, Any]:
   """Logging metrics of one step's maxima ``{module: (*stack, H)}`` (all arrays, jit-safe).
 
   ``max_logits`` (the maxima themselves, per head), ``max_logit`` (largest over all heads),
@@ -64,7 +65,7 @@ def clip_metrics(maxima: dict[str, jax.Array], threshold: Any) -> dict[str, Any]
     >>> {k: float(v) for k, v in m["max_logit_per_layer"].items()}
     {'layers_0/attn': 120.0, 'layers_1/attn': 90.0}
   """
-  stats = qk_clip_stats(nest_max_logits(maxima), qk_clip_threshold=threshold)
+  stats = qk_clip_stats(nest_max_logits(maxima), qk_clip_threshold=qk_clip_threshold)
   return {
       "max_logits": dict(maxima),
       "max_logit": jnp.max(jnp.stack([jnp.max(s["max_logit"]) for s in stats.values()])),

@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ._deprecation import renamed_keywords
 from ._distributed_ns import mesh_of as _mesh_of
 from ._distributed_ns import orthogonalize_sharded as orthogonalize_sharded
 from ._ns_planner import entry_axes as _axes
@@ -166,7 +167,8 @@ def _names(path: Sequence[Any]) -> tuple[str, ...]:
   return tuple(str(key_name(k)) for k in strip_value(path))
 
 
-def state_shardings(state: Any, params: Any, shardings: Any) -> Any:
+@renamed_keywords(shardings="param_shardings")
+def state_shardings(state: Any, params: Any, param_shardings: Any) -> Any:
   """Shardings for an optimizer state: each leaf gets its parameter's sharding.
 
   A state leaf belongs to a parameter when the parameter's path is a suffix of the leaf's
@@ -179,14 +181,14 @@ def state_shardings(state: Any, params: Any, shardings: Any) -> Any:
   Args:
     state: the state or its abstract version (``jax.eval_shape(opt.init, params)``).
     params: the parameters (or their ``ShapeDtypeStruct``s).
-    shardings: the parameters' shardings (``param_shardings``).
+    param_shardings: the parameters' shardings (``param_shardings(params, mesh, ...)``).
 
   Returns:
     A pytree of ``NamedSharding`` with the structure of ``state``.
   """
-  mesh = _mesh_of(shardings)
+  mesh = _mesh_of(param_shardings)
   flat_p, treedef = jax.tree_util.tree_flatten_with_path(params)
-  flat_s = treedef.flatten_up_to(shardings)
+  flat_s = treedef.flatten_up_to(param_shardings)
   table = {_names(p): (tuple(np.shape(x)), s) for (p, x), s in zip(flat_p, flat_s)}
   replicated = NamedSharding(mesh, P())
 
@@ -201,18 +203,20 @@ def state_shardings(state: Any, params: Any, shardings: Any) -> Any:
   return jax.tree_util.tree_map_with_path(one, state)
 
 
-def init_state(optimizer: Any, params: Any, shardings: Any) -> Any:
+@renamed_keywords(shardings="param_shardings")
+def init_state(optimizer: Any, params: Any, param_shardings: Any) -> Any:
   """``optimizer.init(params)`` under ``jit`` with ``state_shardings`` as output shardings.
 
-  ``params`` should already carry ``shardings`` (``jax.device_put(params, shardings)``).
+  ``params`` should already carry ``param_shardings`` (``jax.device_put(params, param_shardings)``).
   Refuses, like ``check_opt_state``, an optimizer with a transform after its QK-Clip.
   """
   abstract = jax.eval_shape(optimizer.init, params)
   check_opt_state(abstract, caller="init_state")  # e.g. no transform after the QK-Clip
-  return jax.jit(optimizer.init, out_shardings=state_shardings(abstract, params, shardings))(params)
+  return jax.jit(optimizer.init, out_shardings=state_shardings(abstract, params, param_shardings))(params)
 
 
-def jit_train_step(step: Callable, params_shardings: Any, state_shardings: Any, batch_shardings: Any, *,
+@renamed_keywords(params_shardings="param_shardings")
+def jit_train_step(step: Callable, param_shardings: Any, state_shardings: Any, batch_shardings: Any, *,
                    donate: bool = False) -> Callable:
   """``jax.jit`` of ``step(params, opt_state, batch, rng=None) -> (params, opt_state, metrics)``.
 
@@ -224,13 +228,13 @@ def jit_train_step(step: Callable, params_shardings: Any, state_shardings: Any, 
 
   Args:
     step: e.g. ``muonclip_jax.training.make_train_step(...)``.
-    params_shardings: ``param_shardings(params, mesh, ...)``.
+    param_shardings: ``param_shardings(params, mesh, ...)``.
     state_shardings: ``state_shardings(...)`` (or ``jax.tree.map(lambda x: x.sharding,
       init_state(...))``).
     batch_shardings: ``batch_shardings(batch, mesh)``.
     donate: donate params and state (their buffers are reused for the outputs).
   """
-  mesh = _mesh_of(params_shardings)
+  mesh = _mesh_of(param_shardings)
   replicated = NamedSharding(mesh, P())
   # jit applies in_shardings to positional arguments only: rng is passed positionally
   # (None, an empty pytree, when there is no key).
@@ -238,8 +242,8 @@ def jit_train_step(step: Callable, params_shardings: Any, state_shardings: Any, 
     return step(params, opt_state, batch) if rng is None else step(params, opt_state, batch, rng)
 
   jitted = jax.jit(positional,
-                   in_shardings=(params_shardings, state_shardings, batch_shardings, replicated),
-                   out_shardings=(params_shardings, state_shardings, replicated),
+                   in_shardings=(param_shardings, state_shardings, batch_shardings, replicated),
+                   out_shardings=(param_shardings, state_shardings, replicated),
                    donate_argnums=(0, 1) if donate else ())
 
   def train_step(params: Any, opt_state: Any, batch: Any, rng: Any = None):

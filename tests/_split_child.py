@@ -44,7 +44,7 @@ def main():
   ns = functools.partial(_newton_schulz.newton_schulz, **NS)
   jax.lax.fori_loop = functools.partial(jax.lax.fori_loop, unroll=True)  # cost analysis: every step
   fn = lambda *a: _distributed_ns.orthogonalize_sharded(list(a), axes, ns, mesh=mesh, shardings=ss, flops=flops,
-                                                        ns_kwargs=NS, split="always")
+                                                        ns_kwargs=NS, shard_split="always")
   put = [jax.device_put(x, s) for x, s in zip(xs, ss)]
   compiled = jax.jit(fn).lower(*put).compile()
   one = jax.jit(lambda *a: [ns(x) for x in a]).lower(*xs).compile()

@@ -158,3 +158,14 @@ def test_exact_clip_step_acts_only_where_the_weights_changed():
   chex.assert_trees_all_equal(skipped[0], params)
   assert int(skipped[1]) == 0 and not bool(jnp.any(skipped[2]["attn"])) and float(jnp.min(skipped[3]["attn"])) == 1.0
   chex.assert_trees_all_close(exact_clip_step(params, measure, updated=jnp.asarray(True), **kw)[0], out)
+
+
+def test_old_spelling_threshold_of_the_training_helpers_is_deprecated():
+  maxima = {"attn": jnp.array([4.0, 1.0])}
+  with pytest.warns(DeprecationWarning, match=r"clip_metrics\(\): 'threshold' is deprecated"):
+    old = mc.training.clip_metrics(maxima, threshold=3.0)
+  chex.assert_trees_all_equal(old, mc.training.clip_metrics(maxima, qk_clip_threshold=3.0))
+  measure = lambda p: maxima_on(capturing_forward(_loss_fn), p, X, None, 1)
+  with pytest.warns(DeprecationWarning, match=r"exact_qk_clip\(\): 'threshold' is deprecated"):
+    old = mc.training.exact_qk_clip(_params(), measure, threshold=1.0, layout=LAYOUT)
+  chex.assert_trees_all_equal(old, mc.training.exact_qk_clip(_params(), measure, qk_clip_threshold=1.0, layout=LAYOUT))
