@@ -8,9 +8,7 @@ from typing import Any
 
 import jax
 
-from ._boxes import is_box as _is_box
-from ._boxes import leaf_shape as _shape
-from ._boxes import logical_names
+from ._boxes import is_box, leaf_shape, logical_names
 from ._layouts import GQALayout, MLALayout
 from ._matrix_axes import MatrixAxes
 from ._paths import path_str
@@ -137,7 +135,7 @@ def attention_matrix_axes(layout: Any, *, value: Any = "value", out: Any = "out"
 
   def spec(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: axes_for(path_str(p), _shape(x), _is_box(x) and logical_names(x) is not None),
-        params, is_leaf=_is_box)
+        lambda p, x: axes_for(path_str(p), leaf_shape(x), is_box(x) and logical_names(x) is not None),
+        params, is_leaf=is_box)
 
   return spec

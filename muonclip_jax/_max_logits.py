@@ -15,9 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._paths import key_name as _key_name
-from ._paths import join
-from ._paths import keystr as _path_str
+from ._paths import join, key_name, keystr
 
 MAX_LOGITS = "max_logits"
 INTERMEDIATES = "intermediates"
@@ -30,7 +28,7 @@ def _reject_apply_output(max_logits: Any, caller: str) -> None:
   holds = [
       i for i, x in enumerate(max_logits)
       if isinstance(x, Mapping) and INTERMEDIATES in x
-      or any(MAX_LOGITS in map(_key_name, p) for p, _ in jax.tree_util.tree_flatten_with_path(x)[0])
+      or any(MAX_LOGITS in map(key_name, p) for p, _ in jax.tree_util.tree_flatten_with_path(x)[0])
   ]
   where = f"; element {holds[0]} holds the maxima" if holds else ""
   raise TypeError(
@@ -59,22 +57,22 @@ def collect_max_logits(max_logits: Any, caller: str = "qk_clip") -> dict[str, ja
     max_logits = max_logits[INTERMEDIATES]
   found: dict[str, list[jax.Array]] = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(max_logits)[0]:
-    names = [_key_name(k) for k in path]
+    names = [key_name(k) for k in path]
     if MAX_LOGITS not in names:
       continue
     i = len(names) - 1 - names[::-1].index(MAX_LOGITS)
     if any(not (isinstance(n, int) or n == "value") for n in names[i + 1 :]):
       raise ValueError(
-          f"{caller}: unexpected structure under {_path_str(path[: i + 1])!r}: {_path_str(path)!r}; "
+          f"{caller}: unexpected structure under {keystr(path[: i + 1])!r}: {keystr(path)!r}; "
           "expected an array, a tuple of arrays or an NNX Intermediate"
       )
     if INTERMEDIATES in names[:i]:
       raise ValueError(
-          f"{caller}: max_logits leaf at {_path_str(path)!r} lies under an "
+          f"{caller}: max_logits leaf at {keystr(path)!r} lies under an "
           f"{INTERMEDIATES!r} key; pass the 'intermediates' collection itself (or "
           "{'intermediates': ...}), whose paths are the attention modules' paths"
       )
-    found.setdefault(_path_str(path[:i]), []).append(jnp.asarray(leaf))
+    found.setdefault(keystr(path[:i]), []).append(jnp.asarray(leaf))
   if not found:
     raise ValueError(
         f"{caller}: no leaf named 'max_logits' in max_logits; pass the 'intermediates' "

@@ -41,21 +41,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._layouts import GQALayout, MLALayout
-from ._layouts import check_layout as _check_layout
-from ._layouts import layout_for as _layout_for
-from ._layouts import matching_patterns
-from ._max_logits import MAX_LOGITS as _MAX_LOGITS
-from ._max_logits import collect_max_logits, nest_max_logits
+from ._boxes import names_by_path
 from ._checks import check_number
 from ._deprecation import renamed_keywords
-from ._paths import keystr as _path_str
-from ._paths import join
-from ._paths import strip_value as _strip_value
+from ._layouts import GQALayout, MLALayout, check_layout, layout_for, matching_patterns
+from ._max_logits import MAX_LOGITS, collect_max_logits, nest_max_logits
+from ._paths import join, keystr, strip_value
 from ._projections import detect, missing_projections
 from ._qk_norm import check_undeclared as check_undeclared_norms
 from ._qk_norm import scale_norms
-from ._boxes import names_by_path
 
 _Layout = MLALayout | GQALayout
 
@@ -102,9 +96,9 @@ def _by_module(flat: list) -> dict[str, dict[str, int]]:
   """
   by_module: dict[str, dict[str, int]] = {}
   for i, (path, _) in enumerate(flat):
-    path = _strip_value(path)
+    path = strip_value(path)
     for cut in range(len(path) - 1):
-      by_module.setdefault(_path_str(path[:cut]), {})[_path_str(path[cut:])] = i
+      by_module.setdefault(keystr(path[:cut]), {})[keystr(path[cut:])] = i
   return by_module
 
 
@@ -271,7 +265,7 @@ def qk_clip(params: Any, max_logits: Any, *, qk_clip_threshold: Any, layout: Any
     TypeError: a layout that is not an ``MLALayout``/``GQALayout`` or a mapping of them;
       ``max_logits`` given as a tuple (the ``(y, state)`` pair of ``apply``).
   """
-  _check_layout(layout)
+  check_layout(layout)
   tau = _resolve_threshold(qk_clip_threshold)
   if tau is None:
     return params
@@ -283,10 +277,10 @@ def qk_clip(params: Any, max_logits: Any, *, qk_clip_threshold: Any, layout: Any
   for module, s in maxima.items():
     _check_not_variables(module, by_module, "qk_clip")
     _check_not_child(module, by_module, leaves, layout, s)
-    lay = _layout_for(module, layout)
+    lay = layout_for(module, layout)
     if s.shape[-1] != lay.num_heads:
       raise ValueError(
-          f"qk_clip: {join(module, _MAX_LOGITS)} has shape {s.shape} ({s.shape[-1]} heads), "
+          f"qk_clip: {join(module, MAX_LOGITS)} has shape {s.shape} ({s.shape[-1]} heads), "
           f"but the layout says num_heads={lay.num_heads}: {lay}"
       )
     index = by_module.get(module, {})
@@ -321,7 +315,7 @@ def _check_not_child(module: str, by_module: Mapping[str, Mapping[str, int]], le
     return
   if any(looks(parent, shapes, lay) for lay in _layouts_of(parent, layout)):
     raise ValueError(
-        f"qk_clip: {join(module, _MAX_LOGITS)} of shape {s.shape} lies below the attention module "
+        f"qk_clip: {join(module, MAX_LOGITS)} of shape {s.shape} lies below the attention module "
         f"{parent or '<root>'!r}, which holds the query/key projections. Per-batch maxima written by a "
         "child module (MaxText's attention_op, (..., batch, heads)) must be reduced over the batch and "
         "moved to the attention module: pass muonclip_jax.reduce_max_logits(intermediates, "
@@ -398,7 +392,7 @@ def _attention_modules(
     looks = lambda lay: not missing_projections(module, lay, shapes, caller)
     if not any(looks(lay) for lay in _layouts_of(module, layout)):
       continue
-    lay = _layout_for(module, layout)
+    lay = layout_for(module, layout)
     if looks(lay):
       found[module] = lay
   return found
@@ -421,7 +415,7 @@ def init_max_logits(params: Any, layout: Any) -> dict:
       an attention module; params passed as the variables dict ``{"params": ...}``.
     TypeError: a layout that is not an ``MLALayout``/``GQALayout`` or a mapping of them.
   """
-  _check_layout(layout, "init_max_logits")
+  check_layout(layout, "init_max_logits")
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   by_module = {
       module: {name: jnp.shape(flat[i][1]) for name, i in index.items()}

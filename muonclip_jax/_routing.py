@@ -13,9 +13,7 @@ from typing import Any
 import jax
 import optax
 
-from ._boxes import is_box as _is_box
-from ._boxes import leaf_shape as _shape
-from ._boxes import logical_names, names_by_path
+from ._boxes import is_box, leaf_shape, logical_names, names_by_path
 from ._matrix_axes import MatrixAxes, MatrixAxesSpec
 from ._paths import path_str
 
@@ -90,14 +88,14 @@ def logical_matrix_axes(params: Any) -> Any:
   """
 
   def axes(p, x):
-    names = logical_names(x) if _is_box(x) else None
+    names = logical_names(x) if is_box(x) else None
     if names is None or sum(n != LAYERS for n in names) < 2:  # a vector (norm scale, bias), stacked or not
       return None
     if len(names) == 2 and None in names:  # a 2-D matrix with a short or partial spec: (in, out)
       return None
-    return axes_from_names(path_str(p), _shape(x), names)
+    return axes_from_names(path_str(p), leaf_shape(x), names)
 
-  return jax.tree_util.tree_map_with_path(axes, params, is_leaf=_is_box)
+  return jax.tree_util.tree_map_with_path(axes, params, is_leaf=is_box)
 
 
 def _undeclared(path: str, shape: tuple[int, ...]) -> ValueError:

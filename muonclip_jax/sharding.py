@@ -33,9 +33,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._deprecation import renamed_keywords
-from ._distributed_ns import mesh_of as _mesh_of
+from ._distributed_ns import mesh_of
 from ._distributed_ns import orthogonalize_sharded as orthogonalize_sharded
-from ._ns_planner import entry_axes as _axes
+from ._ns_planner import entry_axes
 from ._paths import key_name, path_str, strip_value
 from ._state_checks import check_opt_state
 
@@ -105,7 +105,7 @@ def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mes
           continue
         if target is None:
           break
-        axes = tuple(a for a in _axes(target) if mesh.shape.get(a, 1) > 1)
+        axes = tuple(a for a in entry_axes(target) if mesh.shape.get(a, 1) > 1)
         size = math.prod(mesh.shape[a] for a in axes)
         if axes and not used.intersection(axes) and dim % size == 0:
           chosen = axes
@@ -186,7 +186,7 @@ def state_shardings(state: Any, params: Any, param_shardings: Any) -> Any:
   Returns:
     A pytree of ``NamedSharding`` with the structure of ``state``.
   """
-  mesh = _mesh_of(param_shardings)
+  mesh = mesh_of(param_shardings)
   flat_p, treedef = jax.tree_util.tree_flatten_with_path(params)
   flat_s = treedef.flatten_up_to(param_shardings)
   table = {_names(p): (tuple(np.shape(x)), s) for (p, x), s in zip(flat_p, flat_s)}
@@ -234,7 +234,7 @@ def jit_train_step(step: Callable, param_shardings: Any, state_shardings: Any, b
     batch_shardings: ``batch_shardings(batch, mesh)``.
     donate: donate params and state (their buffers are reused for the outputs).
   """
-  mesh = _mesh_of(param_shardings)
+  mesh = mesh_of(param_shardings)
   replicated = NamedSharding(mesh, P())
   # jit applies in_shardings to positional arguments only: rng is passed positionally
   # (None, an empty pytree, when there is no key).
