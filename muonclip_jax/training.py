@@ -33,7 +33,7 @@ from ._step_metrics import (applied_clip_metrics, clip_metrics, metrics_to_float
 __all__ = ["applied_clip_metrics", "clip_metrics", "exact_qk_clip", "make_train_step", "metrics_to_floats"]
 
 
-def apply_optimizer(optimizer: optax.GradientTransformationExtraArgs, params: Any, opt_state: Any, grads: Any,
+def _apply_optimizer(optimizer: optax.GradientTransformationExtraArgs, params: Any, opt_state: Any, grads: Any,
                     maxima: dict[str, jax.Array]) -> tuple[Any, Any, OptStateView, OptStateView]:
   """One optimizer update with the step's maxima, applied: ``(params, opt_state, before, after)``.
 
@@ -156,7 +156,7 @@ def make_train_step(
     # fits the params (structure and shapes, abstractly).
     check_opt_state(opt_state, optimizer=opt, params=params, caller="make_train_step")
     loss, grads, maxima, aux = loss_grads_maxima(forward, params, batch, rng, k)
-    params, opt_state, before, after = apply_optimizer(opt, params, opt_state, grads, maxima)
+    params, opt_state, before, after = _apply_optimizer(opt, params, opt_state, grads, maxima)
     tau = step_threshold(qk_clip_threshold, before, after)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **clip_metrics(maxima, tau)}
     if tau is not None:

@@ -17,7 +17,7 @@ from muonclip_jax._forward import capturing_forward
 from muonclip_jax._microbatches import loss_grads_maxima, maxima_on
 from muonclip_jax._opt_state_view import view_opt_state
 from muonclip_jax._step_metrics import optimizer_clip, optimizer_clip_metrics, step_threshold
-from muonclip_jax.training import apply_optimizer
+from muonclip_jax.training import _apply_optimizer
 
 LAYOUT = mc.GQALayout(2, 2, 4)
 
@@ -116,7 +116,7 @@ def test_one_tau_per_step():
 
 @pytest.mark.parametrize("every_k", [1, 2])
 def test_update_and_what_the_optimizers_clip_did(every_k):
-  """One update through ``apply_optimizer``, and the per-head record of the clip, which
+  """One update through ``_apply_optimizer``, and the per-head record of the clip, which
   (under ``multi_steps``) acts only at the last micro-step, on the running maximum."""
   params = _params()
   tau = 3.0
@@ -127,7 +127,7 @@ def test_update_and_what_the_optimizers_clip_did(every_k):
   grads = jax.tree.map(jnp.zeros_like, params)
   p = params
   for i, maxima in enumerate(micro):
-    p, state, before, after = apply_optimizer(opt, p, state, grads, maxima)
+    p, state, before, after = _apply_optimizer(opt, p, state, grads, maxima)
     scaled, gamma = optimizer_clip(before, after, maxima)
     metrics = optimizer_clip_metrics(before, after, maxima)
     last = i == every_k - 1
