@@ -231,6 +231,22 @@ def newton_schulz(
     (``tests/test_fast_orthogonalization.py``). The Polar Express table is optimized for
     all five steps: fewer steps leave a wide band ([0.42, 1.58] with four); more steps
     converge to 1 ([0.99, 1.01] with eight).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, muonclip_jax as mc
+    >>> x = jax.random.normal(jax.random.key(0), (4, 8))
+    >>> o = mc.newton_schulz(x)  # Keller Jordan's quintic, 5 steps
+    >>> o.shape, o.dtype
+    ((4, 8), dtype('float32'))
+    >>> s = jnp.linalg.svd(o, compute_uv=False)
+    >>> bool(s.min() > 0.6 and s.max() < 1.25)  # near 1, not exactly 1
+    True
+    >>> o = mc.newton_schulz(x, steps=8, coeffs="polar_express")  # more steps converge
+    >>> jnp.round(jnp.linalg.svd(o, compute_uv=False), 2)
+    Array([1., 1., 1., 1.], dtype=float32)
+    >>> u, _, vt = jnp.linalg.svd(x, full_matrices=False)
+    >>> round(float(jnp.abs(o - u @ vt).max()), 3)  # to the polar factor U V^T
+    0.0
   """
   table, norm_scale = resolve_coeffs(coeffs, steps)
   normalize, restarts = resolve_options(coeffs, steps, method, normalize, restarts)
