@@ -245,6 +245,23 @@ def orthogonalize_sharded(xs: Sequence[jax.Array], axes: Sequence[tuple], ns: Ca
 
   Returns:
     The orthogonalized leaves, same shapes and dtypes (``ns``'s output dtype).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, muonclip_jax as mc
+    >>> from jax.sharding import Mesh
+    >>> from muonclip_jax import sharding
+    >>> mesh = Mesh(np.array(jax.devices()).reshape(1, 1, -1), ("data", "fsdp", "model"))
+    >>> experts = jnp.eye(4, 8)[None] + 0.3 * jax.random.normal(jax.random.key(0), (3, 4, 8))  # 3 matrices 4 x 8
+    >>> dense = jnp.eye(8) + 0.3 * jax.random.normal(jax.random.key(1), (8, 8))
+    >>> axes = [((0,), (1,), (2,)), ((), (0,), (1,))]  # (batch, fan_in, fan_out) of each leaf
+    >>> ns = lambda x: mc.newton_schulz(x, steps=8, coeffs="polar_express")
+    >>> out = jax.jit(lambda xs: sharding.orthogonalize_sharded(xs, axes, ns, mesh=mesh))([experts, dense])
+    >>> [o.shape for o in out]
+    [(3, 4, 8), (8, 8)]
+    >>> jnp.round(jnp.linalg.svd(out[0], compute_uv=False), 2)  # each expert's matrix orthogonalized
+    Array([[1., 1., 1., 1.],
+           [1., 1., 1., 1.],
+           [1., 1., 1., 1.]], dtype=float32)
   """
   if not xs:
     return []
