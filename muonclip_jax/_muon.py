@@ -166,15 +166,15 @@ def scale_by_muon(
 
   The default orthogonalization is four ``"polar_express_4"`` steps on the input scaled by
   its Schatten-4 norm, with Gram Newton–Schulz on matrices whose longer side is at least
-  twice the shorter (``ns_method="auto"``): output singular values in [0.78, 1.20] for
-  inputs >= 3e-3 of the Frobenius norm, against [0.68, 1.20] for Keller Jordan's five
-  steps (``optax.contrib.muon``'s default; ``ns_coeffs="muon", ns_steps=5,
-  ns_method="standard"`` reproduces it), for about half the FLOPs of optax's on GPT-2-like
-  matrices. See ``newton_schulz`` and ``benchmarks/RESULTS.md``.
+  twice the shorter (``ns_method="auto"``); ``ns_coeffs="muon", ns_steps=5,
+  ns_method="standard"`` gives Keller Jordan's five steps (``optax.contrib.muon``'s
+  default). See ``newton_schulz`` for the output bands, and ``benchmarks/RESULTS.md`` for
+  both measured against ``optax.contrib.muon`` (bands, FLOPs, time, memory).
 
   Matrices are orthogonalized one call after another (``ns_batch`` same-shaped ones per
   call), each waiting for the previous one, so the compiled update's temporary memory is
-  that of one call (about twice the largest matrix with the defaults), not of all leaves.
+  that of one call (a few times the largest matrix; measured in ``benchmarks/RESULTS.md``),
+  not of all leaves.
 
   Args:
     beta: momentum ``mu`` (Moonlight/Kimi: 0.95). May be traced (``inject_hyperparams``).

@@ -105,7 +105,7 @@ def qk_clip_transform(qk_clip_threshold: Any, *, layout: Any) -> optax.GradientT
   when ``clipped / params`` lies in [1/2, 2] (Sterbenz's lemma: the subtraction is then
   exact), e.g. gamma >= 1/2 and an update small against the weight; otherwise the two
   roundings (of the subtraction and of the addition) leave it within one ulp of
-  ``max(|params|, |clipped|)`` of ``clipped`` (measured in tests/test_muonclip.py).
+  ``max(|params|, |clipped|)`` of ``clipped`` (checked in tests/test_muonclip.py).
 
   Args:
     qk_clip_threshold: tau > 0 (Kimi K2: 100), or a schedule: a callable of the update count
