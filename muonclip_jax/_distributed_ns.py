@@ -22,8 +22,10 @@ one dtype):
    every result, in the parameter's own sharding.
 
 Zero padding only fills each buffer row up to the fullest device's; the planner keeps the
-total traffic within issue 6's shape-by-shape grouping's. Moonlight's distributed Muon (arXiv 2502.16982) instead gathers every
-matrix on every data-parallel rank and repeats the iteration there. Leaves whose sharding
+total traffic within that of the shape-by-shape grouping (``_ns_planner``: each device takes
+at most ``ceil(c / D)`` of the ``c`` matrices of a shape). Moonlight's distributed Muon
+(arXiv 2502.16982) instead gathers every matrix on every data-parallel rank and repeats the
+iteration there. Leaves whose sharding
 is unknown (a bare ``Mesh``) or not a block layout are gathered first and come back
 replicated.
 
