@@ -25,9 +25,8 @@ Zero padding only fills each buffer row up to the fullest device's; the planner 
 total traffic within that of the shape-by-shape grouping (``_ns_planner``: each device takes
 at most ``ceil(c / D)`` of the ``c`` matrices of a shape). Moonlight's distributed Muon
 (arXiv 2502.16982) instead gathers every matrix on every data-parallel rank and repeats the
-iteration there. Leaves whose sharding
-is unknown (a bare ``Mesh``) or not a block layout are gathered first and come back
-replicated.
+iteration there. Leaves whose sharding is unknown (a bare ``Mesh``) or not a block layout
+are gathered first and come back replicated.
 
 With ``ns_kwargs`` the plan is ``_ns_hybrid``'s: matrices too large for whole placement to
 balance may be split over device groups (``_run_split``, ``_split_ns``) in the same
