@@ -17,7 +17,21 @@ import optax
 
 
 class MultiStepsMaxLogitsState(NamedTuple):
-  """State of ``multi_steps``."""
+  """State of ``multi_steps``: optax's ``MultiStepsState`` and the running maximum.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, muonclip_jax as mc
+    >>> layout = mc.GQALayout(num_heads=2, num_kv_heads=2, head_dim=4)
+    >>> params = {"attn": {"wq": {"kernel": jnp.ones((8, 8))}, "wk": {"kernel": jnp.ones((8, 8))}}}
+    >>> opt = mc.multi_steps(optax.sgd(0.1), 2, layout=layout)
+    >>> state = opt.init(params)
+    >>> state.max_logits  # nothing seen yet
+    {'attn': {'max_logits': Array([-inf, -inf], dtype=float32)}}
+    >>> grads = jax.tree.map(jnp.zeros_like, params)
+    >>> _, state = opt.update(grads, state, params, max_logits={"attn": {"max_logits": jnp.array([3.0, 7.0])}})
+    >>> state.max_logits["attn"]["max_logits"], int(state.inner.mini_step)  # after the first microbatch
+    (Array([3., 7.], dtype=float32), 1)
+  """
 
   inner: optax.MultiStepsState  # the wrapped optax.MultiSteps state
   max_logits: Any  # running max over this step's microbatches; {..: {"max_logits": (*stack, H) f32}}

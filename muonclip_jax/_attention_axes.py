@@ -59,6 +59,21 @@ def attention_matrix_axes(layout: Any, *, value: Any = "value", out: Any = "out"
   layout or as ``value``/``out``) gets the matrix of its declaration, at any rank:
   ``"layers"`` axes batched, ``"in"`` axes the fan-in, every other axis the fan-out; a
   declared kernel whose rank differs from its axes is a ValueError.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, muonclip_jax as mc
+    >>> layout = mc.GQALayout(num_heads=2, num_kv_heads=2, head_dim=4, query="query", key="key")
+    >>> params = {"attn": {"query": {"kernel": jnp.ones((8, 2, 4))}, "key": {"kernel": jnp.ones((8, 2, 4))},
+    ...                    "value": {"kernel": jnp.ones((8, 2, 4))}, "out": {"kernel": jnp.ones((2, 4, 8))}}}
+    >>> axes = mc.attention_matrix_axes(layout)(params)
+    >>> axes["attn"]["query"]["kernel"]  # (in, heads, head_dim): one in x heads*head_dim matrix
+    MatrixAxes(fan_in=(-3,), fan_out=(-2, -1))
+    >>> axes["attn"]["out"]["kernel"]  # (heads, head_dim, out): one heads*head_dim x out matrix
+    MatrixAxes(fan_in=(-3, -2), fan_out=(-1,))
+    >>> opt = mc.muon(0.01, matrix_axes=mc.attention_matrix_axes(layout))  # without it, init raises
+    >>> updates, _ = opt.update(jax.tree.map(jnp.ones_like, params), opt.init(params), params)
+    >>> updates["attn"]["out"]["kernel"].shape
+    (2, 4, 8)
   """
 
   layouts = layout if isinstance(layout, Mapping) else {"*": layout}

@@ -22,10 +22,11 @@ one dtype):
    every result, in the parameter's own sharding.
 
 Zero padding only fills each buffer row up to the fullest device's; the planner keeps the
-total traffic within issue 6's shape-by-shape grouping's. Moonlight's distributed Muon (arXiv 2502.16982) instead gathers every
-matrix on every data-parallel rank and repeats the iteration there. Leaves whose sharding
-is unknown (a bare ``Mesh``) or not a block layout are gathered first and come back
-replicated.
+total traffic within that of the shape-by-shape grouping (``_ns_planner``: each device takes
+at most ``ceil(c / D)`` of the ``c`` matrices of a shape). Moonlight's distributed Muon
+(arXiv 2502.16982) instead gathers every matrix on every data-parallel rank and repeats the
+iteration there. Leaves whose sharding is unknown (a bare ``Mesh``) or not a block layout
+are gathered first and come back replicated.
 
 With ``ns_kwargs`` the plan is ``_ns_hybrid``'s: matrices too large for whole placement to
 balance may be split over device groups (``_run_split``, ``_split_ns``) in the same
@@ -245,6 +246,23 @@ def orthogonalize_sharded(xs: Sequence[jax.Array], axes: Sequence[tuple], ns: Ca
 
   Returns:
     The orthogonalized leaves, same shapes and dtypes (``ns``'s output dtype).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, muonclip_jax as mc
+    >>> from jax.sharding import Mesh
+    >>> from muonclip_jax import sharding
+    >>> mesh = Mesh(np.array(jax.devices()).reshape(1, 1, -1), ("data", "fsdp", "model"))
+    >>> experts = jnp.eye(4, 8)[None] + 0.3 * jax.random.normal(jax.random.key(0), (3, 4, 8))  # 3 matrices 4 x 8
+    >>> dense = jnp.eye(8) + 0.3 * jax.random.normal(jax.random.key(1), (8, 8))
+    >>> axes = [((0,), (1,), (2,)), ((), (0,), (1,))]  # (batch, fan_in, fan_out) of each leaf
+    >>> ns = lambda x: mc.newton_schulz(x, steps=8, coeffs="polar_express")
+    >>> out = jax.jit(lambda xs: sharding.orthogonalize_sharded(xs, axes, ns, mesh=mesh))([experts, dense])
+    >>> [o.shape for o in out]
+    [(3, 4, 8), (8, 8)]
+    >>> jnp.round(jnp.linalg.svd(out[0], compute_uv=False), 2)  # each expert's matrix orthogonalized
+    Array([[1., 1., 1., 1.],
+           [1., 1., 1., 1.],
+           [1., 1., 1., 1.]], dtype=float32)
   """
   if not xs:
     return []

@@ -108,6 +108,15 @@ def muon_labels(params: Any) -> Any:
 
   Boxed leaves (``nn.Partitioned``, NNX variables) keep their box, with the label inside;
   their logical axis names take part (a ``"vocab"`` axis goes to AdamW).
+
+  Example:
+    >>> import jax.numpy as jnp, muonclip_jax as mc
+    >>> params = {"embed": {"embedding": jnp.ones((16, 8))},
+    ...           "layers_0": {"mlp": {"kernel": jnp.ones((8, 32)), "bias": jnp.ones((32,))}},
+    ...           "lm_head": {"kernel": jnp.ones((8, 16))}}
+    >>> mc.muon_labels(params)  # hidden matrices to Muon; embeddings, head and vectors to AdamW
+    {'embed': {'embedding': 'adam'}, 'layers_0': {'mlp': {'bias': 'adam', 'kernel': 'muon'}},
+     'lm_head': {'kernel': 'adam'}}
   """
   vocab = vocab_sizes(params)
 

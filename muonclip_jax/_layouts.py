@@ -73,6 +73,20 @@ class MLALayout:
       ``muonclip_jax.Projection`` declaring its storage; ``None`` (default) means ``wq_b``,
       or ``wq`` in a module without query LoRA.
     key_value: name (or ``Projection``) of the key/value up-projection (default ``wkv_b``).
+
+  Example:
+    >>> import jax.numpy as jnp, muonclip_jax as mc
+    >>> layout = mc.MLALayout(num_heads=2, qk_nope_head_dim=2, qk_rope_head_dim=1, v_head_dim=2)
+    >>> layout.qk_head_dim
+    3
+    >>> params = {"attn": {"wq": {"kernel": jnp.ones((4, 6))},  # no query LoRA: wq, 2 heads of nope 2 | rope 1
+    ...                    "wkv_b": {"kernel": jnp.ones((4, 8))}}}  # 2 heads of k_nope 2 | v 2
+    >>> max_logits = {"attn": {"max_logits": jnp.array([400.0, 50.0])}}  # head 0 above tau
+    >>> new = mc.qk_clip(params, max_logits, qk_clip_threshold=100.0, layout=layout)
+    >>> new["attn"]["wq"]["kernel"][0]  # head 0: q^C by sqrt(100 / 400), q^R by 100 / 400
+    Array([0.5 , 0.5 , 0.25, 1.  , 1.  , 1.  ], dtype=float32)
+    >>> new["attn"]["wkv_b"]["kernel"][0]  # head 0: k^C by sqrt(100 / 400), v kept
+    Array([0.5, 0.5, 1. , 1. , 1. , 1. , 1. , 1. ], dtype=float32)
   """
 
   num_heads: int
@@ -155,6 +169,23 @@ class GQALayout:
   the kernel's leaf name and axes (Gemma: ``Projection("q_einsum", leaf="w", axes=("heads",
   "in", "head_dim"))``); ``key`` may then be a fused k|v projection (``parts=("k", "v")``,
   Gemma's ``kv_einsum``) whose value part is never touched.
+
+  Example:
+    >>> import jax.numpy as jnp, muonclip_jax as mc
+    >>> layout = mc.GQALayout(num_heads=4, num_kv_heads=2, head_dim=2)  # query heads 0, 1 read key head 0
+    >>> layout.group_size
+    2
+    >>> params = {"attn": {"wq": {"kernel": jnp.ones((3, 8))}, "wk": {"kernel": jnp.ones((3, 4))}}}
+    >>> max_logits = {"attn": {"max_logits": jnp.array([400.0, 50.0, 50.0, 50.0])}}  # head 0 above tau
+    >>> new = mc.qk_clip(params, max_logits, qk_clip_threshold=100.0, layout=layout)
+    >>> new["attn"]["wq"]["kernel"][0]  # "split": query head 0 by sqrt(100 / 400)
+    Array([0.5, 0.5, 1. , 1. , 1. , 1. , 1. , 1. ], dtype=float32)
+    >>> new["attn"]["wk"]["kernel"][0]  # key head 0 by sqrt(min gamma of query heads 0, 1)
+    Array([0.5, 0.5, 1. , 1. ], dtype=float32)
+    >>> query_only = mc.GQALayout(num_heads=4, num_kv_heads=2, head_dim=2, clip_mode="query")
+    >>> new = mc.qk_clip(params, max_logits, qk_clip_threshold=100.0, layout=query_only)
+    >>> new["attn"]["wq"]["kernel"][0], new["attn"]["wk"]["kernel"][0]  # query head 0 by gamma, keys kept
+    (Array([0.25, 0.25, 1.  , 1.  , 1.  , 1.  , 1.  , 1.  ], dtype=float32), Array([1., 1., 1., 1.], dtype=float32))
   """
 
   num_heads: int

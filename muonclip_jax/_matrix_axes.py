@@ -33,6 +33,19 @@ class MatrixAxes:
   Attributes:
     fan_in: axes that form the rows.
     fan_out: axes that form the columns.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, muonclip_jax as mc
+    >>> axes = mc.MatrixAxes(fan_in=(0,), fan_out=(1, 2))  # a DenseGeneral kernel (in, heads, head_dim)
+    >>> axes.resolve("attn/query/kernel", (8, 2, 4))  # (batch, fan_in, fan_out) axes
+    ((), (0,), (1, 2))
+    >>> kernel = (jnp.eye(8) + 0.3 * jax.random.normal(jax.random.key(0), (8, 8))).reshape(8, 2, 4)
+    >>> opt = mc.scale_by_muon(matrix_axes=axes, rms_match=None, ns_coeffs="polar_express", ns_steps=8)
+    >>> updates, _ = opt.update({"k": kernel}, opt.init({"k": kernel}))
+    >>> updates["k"].shape  # orthogonalized as one 8 x 8 matrix, returned in the kernel's shape
+    (8, 2, 4)
+    >>> jnp.round(jnp.linalg.svd(updates["k"].reshape(8, 8), compute_uv=False), 2)
+    Array([1., 1., 1., 1., 1., 1., 1., 1.], dtype=float32)
   """
 
   fan_in: tuple[int, ...]

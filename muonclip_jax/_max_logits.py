@@ -121,11 +121,15 @@ def reduce_max_logits(max_logits: Any, *, child: str = "attention_op", batch_axi
   Returns:
     A nested ``{..: {"max_logits": (*stack, heads) float32}}`` tree.
 
-  Example::
+  With a model: ``y, state = model.apply(variables, tokens, mutable=["intermediates"])``,
+  then ``opt.update(grads, opt_state, params, max_logits=mc.reduce_max_logits(state))``.
 
-    y, state = model.apply(variables, tokens, mutable=["intermediates"])
-    updates, opt_state = opt.update(grads, opt_state, params,
-                                    max_logits=mc.reduce_max_logits(state))
+  Example:
+    >>> import jax.numpy as jnp, muonclip_jax as mc
+    >>> per_batch = jnp.array([[[1.0, 5.0], [3.0, 2.0]]])  # (layers=1, batch=2, heads=2), as MaxText writes it
+    >>> intermediates = {"layers": {"attn": {"attention_op": {"max_logits": per_batch}}}}
+    >>> mc.reduce_max_logits(intermediates)  # the maximum over the batch, at the attention module's path
+    {'layers': {'attn': {'max_logits': Array([[3., 5.]], dtype=float32)}}}
   """
   flat = collect_max_logits(max_logits, "reduce_max_logits")
   out: dict[str, jax.Array] = {}

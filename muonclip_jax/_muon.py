@@ -35,7 +35,23 @@ RMS_MODES = ("moonlight", "keller", None)
 
 
 class ScaleByMuonState(NamedTuple):
-  """State of ``scale_by_muon``."""
+  """State of ``scale_by_muon``.
+
+  Example:
+    >>> import jax.numpy as jnp, muonclip_jax as mc
+    >>> opt = mc.scale_by_muon(beta=0.9)
+    >>> state = opt.init({"w": jnp.zeros((2, 3))})
+    >>> state.mu["w"]  # the momentum starts at zero
+    Array([[0., 0., 0.],
+           [0., 0., 0.]], dtype=float32)
+    >>> grads = {"w": jnp.ones((2, 3))}
+    >>> _, state = opt.update(grads, state)
+    >>> _, state = opt.update(grads, state)
+    >>> state.mu["w"][0]  # M_2 = 0.9 M_1 + G_2 = 0.9 + 1
+    Array([1.9, 1.9, 1.9], dtype=float32)
+    >>> mc.scale_by_muon(mu_dtype=jnp.bfloat16).init({"w": jnp.zeros((2, 3))}).mu["w"].dtype
+    dtype(bfloat16)
+  """
 
   mu: optax.Updates  # momentum M_t; shapes of the params, dtype mu_dtype (default: the params')
 
@@ -150,15 +166,15 @@ def scale_by_muon(
 
   The default orthogonalization is four ``"polar_express_4"`` steps on the input scaled by
   its Schatten-4 norm, with Gram Newton–Schulz on matrices whose longer side is at least
-  twice the shorter (``ns_method="auto"``): output singular values in [0.78, 1.20] for
-  inputs >= 3e-3 of the Frobenius norm, against [0.68, 1.20] for Keller Jordan's five
-  steps (``optax.contrib.muon``'s default; ``ns_coeffs="muon", ns_steps=5,
-  ns_method="standard"`` reproduces it), for about half the FLOPs of optax's on GPT-2-like
-  matrices. See ``newton_schulz`` and ``benchmarks/RESULTS.md``.
+  twice the shorter (``ns_method="auto"``); ``ns_coeffs="muon", ns_steps=5,
+  ns_method="standard"`` gives Keller Jordan's five steps (``optax.contrib.muon``'s
+  default). See ``newton_schulz`` for the output bands, and ``benchmarks/RESULTS.md`` for
+  both measured against ``optax.contrib.muon`` (bands, FLOPs, time, memory).
 
   Matrices are orthogonalized one call after another (``ns_batch`` same-shaped ones per
   call), each waiting for the previous one, so the compiled update's temporary memory is
-  that of one call (about twice the largest matrix with the defaults), not of all leaves.
+  that of one call (a few times the largest matrix; measured in ``benchmarks/RESULTS.md``),
+  not of all leaves.
 
   Args:
     beta: momentum ``mu`` (Moonlight/Kimi: 0.95). May be traced (``inject_hyperparams``).
@@ -215,6 +231,18 @@ def scale_by_muon(
 
   Returns:
     An ``optax.GradientTransformation`` whose state holds only the momentum.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, muonclip_jax as mc
+    >>> opt = mc.scale_by_muon()  # polar_express_4, Moonlight's RMS matching
+    >>> params = {"w": jnp.zeros((4, 8))}
+    >>> grads = {"w": jax.random.normal(jax.random.key(0), (4, 8))}
+    >>> updates, state = opt.update(grads, opt.init(params))
+    >>> s = jnp.linalg.svd(updates["w"], compute_uv=False) / (0.2 * 8 ** 0.5)  # 0.2 sqrt(max(4, 8))
+    >>> bool(s.min() > 0.7 and s.max() < 1.25)  # orthogonalized: singular values near 1
+    True
+    >>> round(float(jnp.sqrt(jnp.mean(updates["w"] ** 2))), 1)  # so the update RMS is AdamW's ~0.2
+    0.2
   """
   check_target(shard_orthogonalization)
   if shard_split not in ("auto", "always", "never"):

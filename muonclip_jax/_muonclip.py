@@ -38,6 +38,20 @@ class QKClipState(NamedTuple):
 
   ``muonclip_jax.training.make_train_step`` reads it (wherever it sits in a chain,
   ``inject_hyperparams`` or ``multi_steps`` state) to report the clip the optimizer made.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, muonclip_jax as mc
+    >>> layout = mc.GQALayout(num_heads=2, num_kv_heads=2, head_dim=4)
+    >>> params = {"attn": {"wq": {"kernel": jnp.ones((8, 8))}, "wk": {"kernel": jnp.ones((8, 8))}}}
+    >>> opt = optax.chain(optax.sgd(0.0), mc.qk_clip_transform(100.0, layout=layout))
+    >>> state = opt.init(params)
+    >>> state[1]  # the clip's state, last in the chain
+    QKClipState(count=Array(0, dtype=int32), threshold=Array(100., dtype=float32),
+                num_clipped=Array(0, dtype=int32), min_gamma=Array(1., dtype=float32))
+    >>> grads = jax.tree.map(jnp.zeros_like, params)
+    >>> _, state = opt.update(grads, state, params, max_logits={"attn": {"max_logits": jnp.array([400.0, 50.0])}})
+    >>> int(state[1].count), int(state[1].num_clipped), float(state[1].min_gamma)
+    (1, 1, 0.25)
   """
 
   count: jax.Array  # shape=(), int32: updates so far (the step a tau schedule is evaluated at)
@@ -91,7 +105,7 @@ def qk_clip_transform(qk_clip_threshold: Any, *, layout: Any) -> optax.GradientT
   when ``clipped / params`` lies in [1/2, 2] (Sterbenz's lemma: the subtraction is then
   exact), e.g. gamma >= 1/2 and an update small against the weight; otherwise the two
   roundings (of the subtraction and of the addition) leave it within one ulp of
-  ``max(|params|, |clipped|)`` of ``clipped`` (measured in tests/test_muonclip.py).
+  ``max(|params|, |clipped|)`` of ``clipped`` (checked in tests/test_muonclip.py).
 
   Args:
     qk_clip_threshold: tau > 0 (Kimi K2: 100), or a schedule: a callable of the update count
@@ -104,6 +118,18 @@ def qk_clip_transform(qk_clip_threshold: Any, *, layout: Any) -> optax.GradientT
 
   ``max_logits`` written below the attention module as ``(..., batch, heads)`` (MaxText's
   ``attention_op``) are passed as ``muonclip_jax.reduce_max_logits(intermediates)``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, muonclip_jax as mc
+    >>> layout = mc.GQALayout(num_heads=2, num_kv_heads=2, head_dim=4)
+    >>> params = {"attn": {"wq": {"kernel": jnp.ones((8, 8))}, "wk": {"kernel": jnp.ones((8, 8))}}}
+    >>> opt = optax.chain(optax.sgd(1.0), mc.qk_clip_transform(100.0, layout=layout))
+    >>> state = opt.init(params)
+    >>> grads = jax.tree.map(lambda p: -jnp.ones_like(p), params)  # SGD alone would make every weight 2
+    >>> max_logits = {"attn": {"max_logits": jnp.array([400.0, 50.0])}}  # head 0 above tau
+    >>> updates, state = opt.update(grads, state, params, max_logits=max_logits)
+    >>> optax.apply_updates(params, updates)["attn"]["wq"]["kernel"][0]  # head 0 of the updated weights clipped
+    Array([1., 1., 1., 1., 2., 2., 2., 2.], dtype=float32)
   """
   check_layout(layout)
   threshold = qk_clip_threshold

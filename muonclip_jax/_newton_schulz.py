@@ -206,8 +206,8 @@ def newton_schulz(
       growth does not amplify its rounding.
     method: ``"standard"``, ``"gram"`` (see the module docstring; same polynomial,
       different rounding) or ``"auto"`` (``"gram"`` when the longer side is at least
-      ``GRAM_ASPECT`` = 2 times the shorter: 15% fewer FLOPs there, 42% at 4 times, with
-      four or five steps).
+      ``GRAM_ASPECT`` = 2 times the shorter, where ``ns_flops`` counts fewer FLOPs for it
+      than for ``"standard"``; the ratios are in ``benchmarks/RESULTS.md``).
     normalize: ``"frobenius"`` (``||x||_F``), ``"schatten4"`` (``||x||_S4 = ||x x^T||_F^(1/2)``,
       computed from the first Gram matrix at no extra matmul; it is never larger than
       ``||x||_F`` and never smaller than the top singular value, so every singular value
@@ -219,18 +219,34 @@ def newton_schulz(
 
   Returns:
     An array of the shape and dtype of ``x``. Its singular values are ``p(s)`` of the
-    normalized input's. Measured bands (``tests/test_newton_schulz.py``), over Gaussian and
-    condition-1e6 matrices, for input singular values >= 3e-3 of the Frobenius norm
-    (smaller ones need more steps to grow), with each preset's own step count:
-    ``"muon"`` [0.68, 1.21] in float32 and [0.66, 1.20] in bfloat16; ``"polar_express"``
-    [0.86, 1.15] in float32 and [0.82, 1.14] in bfloat16; ``"polar_express_4"``
-    [0.78, 1.20] in float32 and [0.79, 1.22] in bfloat16. ``"gram"`` has the float32 bands
-    in both dtypes (its ``m x m`` iteration runs in float32); it differs from
-    ``"standard"`` by float32 rounding amplified by the conditioning of ``X X^T`` (up to
-    ~3e-3 at condition number 1e6). No output singular value exceeds the band's top
-    (``tests/test_fast_orthogonalization.py``). The Polar Express table is optimized for
-    all five steps: fewer steps leave a wide band ([0.42, 1.58] with four); more steps
-    converge to 1 ([0.99, 1.01] with eight).
+    normalized input's, ``p`` the composition of the steps' polynomials, and its singular
+    vectors are ``x``'s. With each preset's own step count, input singular values down to
+    3e-3 of the norm land in a band around 1 (smaller ones need more steps to grow): roughly
+    [0.7, 1.2] for ``"muon"`` (Keller Jordan), and [0.779, 1.200] for ``"polar_express_4"``
+    in exact arithmetic, by construction (``POLAR_EXPRESS_4_COEFFS``). The bands measured
+    per preset and dtype are in ``benchmarks/RESULTS.md``; ``tests/test_newton_schulz.py``
+    and ``tests/test_fast_orthogonalization.py`` check them, with a small margin, on
+    Gaussian and condition-1e6 matrices, and that no output singular value exceeds the
+    band's top. ``"gram"`` runs its ``m x m`` iteration in float32 whatever the dtype; it
+    differs from ``"standard"`` by float32 rounding amplified by the conditioning of
+    ``X X^T``. The Polar Express table is optimized for all five steps: fewer steps leave a
+    wider band; more steps converge to 1 (steps past the table use the converged quintic).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, muonclip_jax as mc
+    >>> x = jax.random.normal(jax.random.key(0), (4, 8))
+    >>> o = mc.newton_schulz(x)  # Keller Jordan's quintic, 5 steps
+    >>> o.shape, o.dtype
+    ((4, 8), dtype('float32'))
+    >>> s = jnp.linalg.svd(o, compute_uv=False)
+    >>> bool(s.min() > 0.6 and s.max() < 1.25)  # near 1, not exactly 1
+    True
+    >>> o = mc.newton_schulz(x, steps=8, coeffs="polar_express")  # more steps converge
+    >>> jnp.round(jnp.linalg.svd(o, compute_uv=False), 2)
+    Array([1., 1., 1., 1.], dtype=float32)
+    >>> u, _, vt = jnp.linalg.svd(x, full_matrices=False)
+    >>> round(float(jnp.abs(o - u @ vt).max()), 3)  # to the polar factor U V^T
+    0.0
   """
   table, norm_scale = resolve_coeffs(coeffs, steps)
   normalize, restarts = resolve_options(coeffs, steps, method, normalize, restarts)

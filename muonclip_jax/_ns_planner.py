@@ -3,7 +3,7 @@
 Pure Python, from shapes, matrix axes, ``PartitionSpec`` entries and mesh axis sizes
 alone (no JAX arrays, no compilation), so it simulates meshes far larger than the machine
 it runs on. ``_distributed_ns`` executes its plans; ``benchmarks/bench_sharding.py`` uses it
-for 8 to 1024 devices.
+to simulate large meshes.
 
 The model. Every leaf is a stack of ``count`` matrices ``m x n`` (tall ones transposed,
 ``m <= n``); an expert stack ``(E, in, out)`` is ``E`` matrices. Its *layout* is the pair of
@@ -15,19 +15,21 @@ from the ``s`` devices of its own ``R``-slice, so placement is free:
 
 * placement: matrices by decreasing FLOPs, each on the least-loaded device (longest
   processing time first, LPT: max load <= ideal + largest matrix, within 4/3 of the optimum),
-  optionally subject to a byte cap per device and class; of these and issue 6's
-  shape-by-shape grouping (``grouped``) the plan keeps the one with the fewest FLOPs on the
-  most loaded device whose traffic does not exceed issue 6's;
+  optionally subject to a byte cap per device and class; of these and the shape-by-shape
+  grouping (``grouped``: each device takes at most ``ceil(c / D)`` of the ``c`` matrices of
+  a shape) the plan keeps the one with the fewest FLOPs on the most loaded device among
+  those whose traffic does not exceed the grouping's;
 * FLOPs per device: the sum of ``flops(m, n)`` over its matrices (``ns_flops``: matmuls only;
-  XLA's cost analysis adds the elementwise work, ``O(m n)`` a step, ~1-4% for ``m >= 32``);
+  XLA's cost analysis adds the elementwise work, ``O(m n)`` a step: see
+  ``benchmarks/RESULTS.md``);
 * communication per device and class, with ``C`` the largest number of block elements a
   device holds (the flat buffer, padded to the same size on every device): the exchange and
   its inverse ``all_to_all`` over ``S``, ``2 (s - 1) C``, plus the ``all_gather`` of the
   results over ``R``, ``(n_rep - 1) s C`` elements received.
 
-Issue 6's traffic is that of the width ``C = sum_g ceil(c_g / D) m_g n_g / s`` per class
-(``c_g`` matrices of shape ``g`` in it: each group zero-padded to a multiple of ``D``); its
-grouping meets it by construction, so communication never grows over issue 6's.
+The grouping's traffic is that of the width ``C = sum_g ceil(c_g / D) m_g n_g / s`` per
+class (``c_g`` matrices of shape ``g`` in it: each group zero-padded to a multiple of ``D``);
+the grouping meets it by construction, so the plan's communication never exceeds it.
 """
 
 from __future__ import annotations
@@ -200,7 +202,7 @@ def _size(axes: Sequence[str], mesh: Mapping[str, int]) -> int:
 
 
 def grouped_counts(leaves: Sequence[Leaf], skip: frozenset = frozenset()) -> dict[tuple, int]:
-  """Issue 6's groups: ``{(class key, m, n): number of matrices}``."""
+  """The shape-by-shape grouping's groups: ``{(class key, m, n): number of matrices}``."""
   out: dict[tuple, int] = {}
   for lf in leaves:
     if not lf.count or (lf.key, *lf.mn) in skip:
@@ -238,7 +240,7 @@ def _lpt(mats: dict, caps: dict, devices: int, blocks: dict) -> dict | None:
 
 
 def _grouped(mats: dict, devices: int) -> dict:
-  """Issue 6's placement: per shape, at most ``ceil(c / D)`` matrices per device and class."""
+  """The shape-by-shape placement: per shape, at most ``ceil(c / D)`` matrices per device and class."""
   where = {key: [0] * len(ms) for key, ms in mats.items()}
   by_shape: dict[tuple, dict[tuple, list]] = {}
   for key, ms in mats.items():
@@ -270,10 +272,11 @@ def plan(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops, *, place
     mesh: axis name -> size, in mesh order.
     flops: FLOPs of orthogonalizing one ``m x n`` matrix (``m <= n``).
     placement: ``"best"``: the fewest FLOPs on the most loaded device among ``"grouped"``
-      and LPT with the byte cap per class at 1, 1.25 and infinitely many times issue 6's,
-      keeping only those whose total traffic does not exceed issue 6's; ``"lpt"``: LPT
-      without any cap (the whole-matrix bound); ``"grouped"``: issue 6's shape-by-shape
-      placement, without its zero-matrix padding.
+      and LPT with the byte cap per class at 1, 1.25 and infinitely many times the
+      grouping's, keeping only those whose total traffic does not exceed the grouping's;
+      ``"lpt"``: LPT without any cap (the whole-matrix bound); ``"grouped"``: the
+      shape-by-shape placement (at most ``ceil(c / D)`` matrices of a shape per device),
+      without zero-matrix padding.
     skip: ``(class key, m, n)`` groups left out (split over device groups, ``_ns_hybrid``).
   """
   axes = tuple(a for a in mesh if mesh[a] > 1)
@@ -351,10 +354,10 @@ class Figures:
 
 
 def figures(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops) -> dict[str, Any]:
-  """Per-device figures of this plan, issue 6's grouping, Moonlight's repetition, the LPT bound.
+  """Per-device figures of this plan, the shape-by-shape grouping, Moonlight's repetition, the LPT bound.
 
-  ``"grouped"``: issue 6's scheme, every device orthogonalizing ``ceil(c / D)`` matrices of
-  each group (zero-padded) and exchanging at the cap. ``"repeated"``: Moonlight's
+  ``"grouped"``: the shape-by-shape scheme, every device orthogonalizing ``ceil(c / D)``
+  matrices of each group (zero-padded) and exchanging at the cap. ``"repeated"``: Moonlight's
   (arXiv 2502.16982) distributed Muon, every device gathering every whole matrix and running
   every iteration. ``"lpt"``: LPT over whole matrices without the byte cap.
   """

@@ -68,6 +68,19 @@ class Projection:
     parts: for a fused projection, which part is which, in storage order: ``("k", "v")`` or
       ``("q", "k", "v")``; along the ``"parts"`` axis, or concatenated along ``"out"``.
       ``None``: the role's own (``query``: q; ``key``: k; ``qkv``: q, k, v).
+
+  Example:
+    >>> import jax.numpy as jnp, muonclip_jax as mc
+    >>> q = mc.Projection("q_einsum", leaf="w", axes=("heads", "in", "head_dim"))  # Gemma-style storage
+    >>> k = mc.Projection("k_einsum", leaf="w", axes=("heads", "in", "head_dim"))
+    >>> q.kernel, q.matrix_axes()  # Muon's matrix: 8 inputs x (2 heads * 4) columns
+    ('q_einsum/w', MatrixAxes(fan_in=(1,), fan_out=(0, 2)))
+    >>> layout = mc.GQALayout(num_heads=2, num_kv_heads=2, head_dim=4, query=q, key=k)
+    >>> params = {"attn": {"q_einsum": {"w": jnp.ones((2, 8, 4))}, "k_einsum": {"w": jnp.ones((2, 8, 4))}}}
+    >>> max_logits = {"attn": {"max_logits": jnp.array([400.0, 50.0])}}
+    >>> new = mc.qk_clip(params, max_logits, qk_clip_threshold=100.0, layout=layout)
+    >>> new["attn"]["q_einsum"]["w"][:, 0, 0]  # head 0 (the first axis) by sqrt(100 / 400)
+    Array([0.5, 1. ], dtype=float32)
   """
 
   name: str

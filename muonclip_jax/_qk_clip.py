@@ -163,6 +163,13 @@ def clip_factors(max_logits: jax.Array, qk_clip_threshold: Any) -> jax.Array:
   Returns:
     float32 array of ``max_logits``' shape with values in (0, 1]; 1 where S_max <= tau, and
     where S_max is non-finite or <= 0 (such a head is left as it is).
+
+  Example:
+    >>> import jax.numpy as jnp, muonclip_jax as mc
+    >>> mc.clip_factors(jnp.array([400.0, 100.0, 50.0, jnp.nan]), qk_clip_threshold=100.0)
+    Array([0.25, 1.  , 1.  , 1.  ], dtype=float32)
+    >>> mc.clip_factors(jnp.array([400.0, 50.0]), qk_clip_threshold=None)  # clip off
+    Array([1., 1.], dtype=float32)
   """
   tau = _resolve_threshold(qk_clip_threshold)
   s = jnp.asarray(max_logits, jnp.float32)
@@ -264,6 +271,21 @@ def qk_clip(params: Any, max_logits: Any, *, qk_clip_threshold: Any, layout: Any
       match a module; params passed as the variables dict ``{"params": ...}``.
     TypeError: a layout that is not an ``MLALayout``/``GQALayout`` or a mapping of them;
       ``max_logits`` given as a tuple (the ``(y, state)`` pair of ``apply``).
+
+  Example:
+    >>> import jax.numpy as jnp, muonclip_jax as mc
+    >>> layout = mc.GQALayout(num_heads=2, num_kv_heads=2, head_dim=2)
+    >>> params = {"attn": {"wq": {"kernel": jnp.ones((3, 4)), "bias": jnp.ones((4,))},
+    ...                    "wk": {"kernel": jnp.ones((3, 4))}},
+    ...           "mlp": {"kernel": jnp.ones((4, 4))}}
+    >>> max_logits = {"attn": {"max_logits": jnp.array([400.0, 50.0])}}  # head 0 above tau
+    >>> new = mc.qk_clip(params, max_logits, qk_clip_threshold=100.0, layout=layout)
+    >>> new["attn"]["wq"]["kernel"][0], new["attn"]["wq"]["bias"]  # head 0's columns by sqrt(100 / 400)
+    (Array([0.5, 0.5, 1. , 1. ], dtype=float32), Array([0.5, 0.5, 1. , 1. ], dtype=float32))
+    >>> new["attn"]["wk"]["kernel"][0]
+    Array([0.5, 0.5, 1. , 1. ], dtype=float32)
+    >>> new["mlp"]["kernel"] is params["mlp"]["kernel"]  # every other leaf is kept as it is
+    True
   """
   check_layout(layout)
   tau = _resolve_threshold(qk_clip_threshold)
@@ -359,6 +381,15 @@ def qk_clip_stats(max_logits: Any, *, qk_clip_threshold: Any) -> dict[str, dict[
     min_h gamma_h; 1.0 when nothing is clipped), ``max_logit`` (float32, max_h S_max^h; NaN
     if any head is NaN), ``num_heads`` (int32, H) and ``num_nonfinite`` (int32, heads whose
     S_max is NaN or +-inf; they are never clipped).
+
+  Example:
+    >>> import jax.numpy as jnp, muonclip_jax as mc
+    >>> max_logits = {"layers": {"attn": {"max_logits": jnp.array([[400.0, 50.0], [200.0, 80.0]])}}}  # 2 layers
+    >>> stats = mc.qk_clip_stats(max_logits, qk_clip_threshold=100.0)
+    >>> list(stats)
+    ['layers/attn']
+    >>> stats["layers/attn"]["num_clipped"], stats["layers/attn"]["min_gamma"]  # per layer
+    (Array([1, 1], dtype=int32), Array([0.25, 0.5 ], dtype=float32))
   """
   tau = _resolve_threshold(qk_clip_threshold)
   stats = {}
@@ -414,6 +445,18 @@ def init_max_logits(params: Any, layout: Any) -> dict:
       on the stacked-layer shape; a layout mapping in which zero or several patterns match
       an attention module; params passed as the variables dict ``{"params": ...}``.
     TypeError: a layout that is not an ``MLALayout``/``GQALayout`` or a mapping of them.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, muonclip_jax as mc
+    >>> layout = mc.GQALayout(num_heads=2, num_kv_heads=2, head_dim=4)
+    >>> params = {"layers": {"attn": {"wq": {"kernel": jnp.ones((3, 8, 8))},  # 3 layers stacked by nn.scan
+    ...                               "wk": {"kernel": jnp.ones((3, 8, 8))}},
+    ...                      "mlp": {"kernel": jnp.ones((3, 8, 32))}}}
+    >>> running = mc.init_max_logits(params, layout)
+    >>> jax.tree.map(jnp.shape, running)  # (layers, heads), for the attention module only
+    {'layers': {'attn': {'max_logits': (3, 2)}}}
+    >>> running["layers"]["attn"]["max_logits"][0]
+    Array([-inf, -inf], dtype=float32)
   """
   check_layout(layout, "init_max_logits")
   flat = jax.tree_util.tree_flatten_with_path(params)[0]

@@ -85,6 +85,19 @@ def logical_matrix_axes(params: Any) -> Any:
   (``(in, out)`` as any 2-D leaf). Short names are padded with None as Flax pads them. ``scale_by_muon`` reads the names itself at ``init`` and reuses them for
   the bare arrays of ``update`` (``nnx.Optimizer``), so this is needed only where a transform
   never sees the boxes, e.g. ``matrix_axes=logical_matrix_axes(nnx.state(model, nnx.Param))``.
+
+  Example:
+    >>> import flax.linen as nn, jax.numpy as jnp, muonclip_jax as mc
+    >>> params = {"query": {"kernel": nn.Partitioned(jnp.ones((8, 2, 4)), names=("embed", "heads", "kv"))},
+    ...           "mlp": {"kernel": nn.Partitioned(jnp.ones((3, 8, 32)), names=("layers", "embed", "mlp"))},
+    ...           "norm": {"scale": nn.Partitioned(jnp.ones((8,)), names=("embed",))}}
+    >>> axes = mc.logical_matrix_axes(params)
+    >>> axes["query"]["kernel"]  # one embed x heads*kv matrix
+    MatrixAxes(fan_in=(0,), fan_out=(1, 2))
+    >>> axes["mlp"]["kernel"]  # a stack of 3 embed x mlp matrices
+    MatrixAxes(fan_in=(1,), fan_out=(2,))
+    >>> axes["norm"]["scale"] is None  # not a matrix
+    True
   """
 
   def axes(p, x):

@@ -88,6 +88,21 @@ def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mes
     shape: the array's shape.
     mesh: the device mesh.
     rules: ``(logical name, mesh axes)`` pairs (``DEFAULT_RULES``).
+
+  Example:
+    >>> import jax, numpy as np
+    >>> from jax.sharding import AbstractMesh, Mesh
+    >>> from muonclip_jax import sharding
+    >>> mesh = AbstractMesh((2, 2, 2), ("data", "fsdp", "model"))  # axis sizes only, no devices needed
+    >>> sharding.logical_to_spec(("embed", "mlp"), (1024, 4096), mesh)  # an MLP kernel: FSDP x tensor parallel
+    P('fsdp', 'model')
+    >>> sharding.logical_to_spec(("batch", "length"), (32, 128), mesh)
+    P(('data', 'fsdp'), None)
+    >>> sharding.logical_to_spec(("embed", "heads"), (1024, 5), mesh)  # 5 heads do not split over 2 devices
+    P('fsdp', None)
+    >>> one = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "model"))
+    >>> sharding.logical_to_spec(("embed", "mlp"), (1024, 4096), one)  # axes of size 1 are not used
+    P(None, None)
   """
   names = tuple(names)
   shape = tuple(int(s) for s in shape)
@@ -137,6 +152,21 @@ def param_shardings(params: Any, mesh: Mesh, *, logical_axes: Any = None,
 
   Returns:
     A pytree of ``NamedSharding`` with the structure of the (unboxed) parameters.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, flax.linen as nn
+    >>> from jax.sharding import AbstractMesh, Mesh
+    >>> from muonclip_jax import sharding
+    >>> params = {"mlp": {"kernel": nn.Partitioned(jnp.ones((64, 256)), names=("embed", "mlp"))},
+    ...           "norm": {"scale": nn.Partitioned(jnp.ones((64,)), names=("norm",))}}
+    >>> sizes = AbstractMesh((2, 2, 2), ("data", "fsdp", "model"))  # the specs an 8-device mesh would get
+    >>> jax.tree.map(lambda s: s.spec, sharding.param_shardings(params, sizes))
+    {'mlp': {'kernel': P('fsdp', 'model')}, 'norm': {'scale': P(None,)}}
+    >>> mesh = Mesh(np.array(jax.devices()).reshape(1, 1, -1), ("data", "fsdp", "model"))  # the devices at hand
+    >>> shardings = sharding.param_shardings(params, mesh)
+    >>> placed = jax.device_put(nn.unbox(params), shardings)
+    >>> placed["mlp"]["kernel"].sharding == shardings["mlp"]["kernel"]
+    True
   """
   if logical_axes is None:
     import flax.linen as nn  # noqa: PLC0415 (only boxed params need Flax)
@@ -158,6 +188,20 @@ def batch_shardings(batch: Any, mesh: Mesh, *, rules: Rules = DEFAULT_RULES) -> 
   With the default rules the batch is split over ``data`` and ``fsdp`` (every device of a
   data x fsdp x model mesh sees ``B / (data * fsdp)`` examples; ``model`` replicas share
   theirs). A batch size not divisible by the product falls back to replication.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> from jax.sharding import AbstractMesh, Mesh
+    >>> from muonclip_jax import sharding
+    >>> sizes = AbstractMesh((2, 2, 2), ("data", "fsdp", "model"))
+    >>> batch = {"tokens": jnp.zeros((8, 16), jnp.int32)}
+    >>> sharding.batch_shardings(batch, sizes)["tokens"].spec  # 8 examples over data x fsdp
+    P(('data', 'fsdp'), None)
+    >>> sharding.batch_shardings({"tokens": jnp.zeros((3, 16), jnp.int32)}, sizes)["tokens"].spec  # 3 over 4: no
+    P(None, None)
+    >>> mesh = Mesh(np.array(jax.devices()).reshape(1, 1, -1), ("data", "fsdp", "model"))
+    >>> jax.device_put(batch, sharding.batch_shardings(batch, mesh))["tokens"].shape
+    (8, 16)
   """
   return jax.tree.map(lambda x: NamedSharding(mesh, logical_to_spec(("batch",), np.shape(x), mesh, rules)), batch)
 
@@ -185,6 +229,18 @@ def state_shardings(state: Any, params: Any, param_shardings: Any) -> Any:
 
   Returns:
     A pytree of ``NamedSharding`` with the structure of ``state``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from jax.sharding import AbstractMesh
+    >>> from muonclip_jax import sharding
+    >>> sizes = AbstractMesh((2, 2, 2), ("data", "fsdp", "model"))
+    >>> params = {"mlp": {"kernel": jnp.ones((64, 256))}, "norm": {"scale": jnp.ones((64,))}}
+    >>> p_sh = sharding.param_shardings(params, sizes, logical_axes={"mlp": {"kernel": ("embed", "mlp")}})
+    >>> state = jax.eval_shape(optax.adamw(1e-3).init, params)
+    >>> s_sh = sharding.state_shardings(state, params, p_sh)
+    >>> s_sh[0].mu["mlp"]["kernel"].spec, s_sh[0].nu["mlp"]["kernel"].spec, s_sh[0].count.spec
+    (P('fsdp', 'model'), P('fsdp', 'model'), P())
   """
   mesh = mesh_of(param_shardings)
   flat_p, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -209,6 +265,22 @@ def init_state(optimizer: Any, params: Any, param_shardings: Any) -> Any:
 
   ``params`` should already carry ``param_shardings`` (``jax.device_put(params, param_shardings)``).
   Refuses, like ``check_opt_state``, an optimizer with a transform after its QK-Clip.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, muonclip_jax as mc
+    >>> from jax.sharding import Mesh
+    >>> from muonclip_jax import sharding
+    >>> mesh = Mesh(np.array(jax.devices()).reshape(1, 1, -1), ("data", "fsdp", "model"))
+    >>> shardings = sharding.param_shardings({"w": jnp.ones((8, 16))}, mesh, logical_axes={"w": ("embed", "mlp")})
+    >>> params = jax.device_put({"w": jnp.ones((8, 16))}, shardings)
+    >>> state = sharding.init_state(mc.muon(0.01), params, shardings)
+    >>> state[0].mu["w"].shape, state[0].mu["w"].sharding == shardings["w"]  # the momentum, laid out as w
+    ((8, 16), True)
+    >>> clip = mc.qk_clip_transform(100.0, layout=mc.GQALayout(num_heads=2, num_kv_heads=2, head_dim=4))
+    >>> sharding.init_state(optax.chain(clip, optax.scale(0.5)), params, shardings)  # the clip must come last
+    Traceback (most recent call last):
+    ...
+    ValueError: init_state: ...
   """
   abstract = jax.eval_shape(optimizer.init, params)
   check_opt_state(abstract, caller="init_state")  # e.g. no transform after the QK-Clip
@@ -233,6 +305,33 @@ def jit_train_step(step: Callable, param_shardings: Any, state_shardings: Any, b
       init_state(...))``).
     batch_shardings: ``batch_shardings(batch, mesh)``.
     donate: donate params and state (their buffers are reused for the outputs).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, muonclip_jax as mc
+    >>> from jax.sharding import Mesh
+    >>> from muonclip_jax import sharding, training
+    >>> mesh = Mesh(np.array(jax.devices()).reshape(1, 1, -1), ("data", "fsdp", "model"))
+    >>> layout = mc.GQALayout(num_heads=2, num_kv_heads=2, head_dim=4)
+    >>> params = {"attn": {"wq": {"kernel": jnp.ones((8, 8))}, "wk": {"kernel": jnp.ones((8, 8))}}}
+    >>> names = {"attn": {"wq": {"kernel": ("embed", "heads")}, "wk": {"kernel": ("embed", "kv_heads")}}}
+    >>> p_sh = sharding.param_shardings(params, mesh, logical_axes=names)
+    >>> params = jax.device_put(params, p_sh)
+    >>> def loss_fn(params, x):  # one attention layer's scaled logits, and its per-head maxima
+    ...   q = (x @ params["attn"]["wq"]["kernel"]).reshape(-1, 2, 4)
+    ...   k = (x @ params["attn"]["wk"]["kernel"]).reshape(-1, 2, 4)
+    ...   logits = jnp.einsum("qhd,khd->hqk", q, k) / 2.0
+    ...   return jnp.mean(jax.nn.logsumexp(logits, axis=-1)), {"attn": {"max_logits": logits.max(axis=(1, 2))}}
+    >>> opt = mc.muonclip(0.01, layout=layout, qk_clip_threshold=10.0)
+    >>> opt_state = sharding.init_state(opt, params, p_sh)
+    >>> s_sh = sharding.state_shardings(opt_state, params, p_sh)
+    >>> batch = jnp.ones((4, 8))
+    >>> step = sharding.jit_train_step(training.make_train_step(loss_fn, opt), p_sh, s_sh,
+    ...                                sharding.batch_shardings(batch, mesh))
+    >>> params, opt_state, metrics = step(params, opt_state, batch)
+    >>> params["attn"]["wq"]["kernel"].sharding == p_sh["attn"]["wq"]["kernel"]  # back in its own layout
+    True
+    >>> metrics["max_logits"]["attn"], int(metrics["num_clipped"]), float(metrics["min_gamma"])  # gamma 10 / 128
+    (Array([128., 128.], dtype=float32), 2, 0.078125)
   """
   mesh = mesh_of(param_shardings)
   replicated = NamedSharding(mesh, P())
