@@ -156,7 +156,7 @@ class Plan:
   classes: tuple[Class, ...]
   device_flops: tuple[float, ...]
   gather_bytes: int  # bytes one device receives when XLA gathers the fallback leaves first
-  issue6_comm: int  # bytes one device receives under issue 6's grouping (the bound on ``comm``)
+  grouped_comm: int  # bytes one device receives under the shape-by-shape grouping (the bound on ``comm``)
 
   @property
   def devices(self) -> int:
@@ -315,11 +315,11 @@ def plan(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops, *, place
 
   gather = sum(int(math.prod(lf.shape) * lf.itemsize * (lf.gathered - 1) / lf.gathered) for lf in leaves)
   grouped = _grouped(mats, devices)
-  issue6 = gather + sum(c.comm() for c in classes(grouped, caps))
+  grouped_bytes = gather + sum(c.comm() for c in classes(grouped, caps))
 
   def build(where):
     return Plan(axes=axes, sizes=sizes, classes=classes(where), device_flops=tuple(loads(where)),
-                gather_bytes=gather, issue6_comm=issue6)
+                gather_bytes=gather, grouped_comm=grouped_bytes)
 
   if placement == "grouped":
     return build(grouped)
@@ -332,7 +332,7 @@ def plan(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops, *, place
     where = _lpt(mats, {k: c * scale for k, c in caps.items()}, devices, blocks)
     if where is not None:
       options.append(build(where))
-  return min((p for p in options if p.comm <= issue6), key=lambda p: (p.max_flops, p.comm))
+  return min((p for p in options if p.comm <= grouped_bytes), key=lambda p: (p.max_flops, p.comm))
 
 
 def device_coords(plan_: Plan, cls: Class, d: int, mesh: Mapping[str, int]) -> tuple[int, int]:
@@ -366,7 +366,7 @@ def figures(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops) -> di
   total = float(sum(new.device_flops))
   lpt = plan(leaves, mesh, flops, placement="lpt")
   group_flops = sum(-(-c // devices) * float(flops(m, n)) for (_, m, n), c in grouped_counts(leaves).items())
-  group_comm = new.issue6_comm
+  group_comm = new.grouped_comm
   repeated = sum(int(math.prod(lf.shape) * lf.itemsize * (1 - 1 / max(lf.gathered, _size(lf.rows + lf.cols, mesh))))
                  for lf in leaves)
   return {

@@ -150,7 +150,7 @@ def _problem(draw):
 
 
 @given(_problem())
-def test_planner_places_every_matrix_once_within_issue6_traffic(problem):
+def test_planner_places_every_matrix_once_within_the_grouped_traffic(problem):
   leaves, mesh = problem
   flops = _distributed_ns.ns_flops_of(NS)
   devices = math.prod(mesh.values())
