@@ -182,7 +182,7 @@ def test_nnx_sharding_metadata_gives_the_axes_and_optimizer_keeps_them():
   state = nnx.state(model, nnx.Param)
   got = qk_clip(state, {"max_logits": s}, qk_clip_threshold=3.0, layout=lay)
   gamma = np.where(s > 3.0, 3.0 / s, 1.0)
-  want = np.asarray(model.q.kernel.value) * gamma[:, None, None]
+  want = np.asarray(model.q.kernel[...]) * gamma[:, None, None]
   np.testing.assert_allclose(np.asarray(nnx.to_pure_dict(got)["q"]["kernel"]), want, rtol=1e-6)
   # An optimizer that sees boxed params at init and bare arrays at update (nnx.Optimizer) clips the same.
   tx = mc.qk_clip_transform(3.0, layout=lay)
