@@ -12,7 +12,8 @@ import pytest
 
 import _attention_cases as cases
 from muonclip_jax.nn import _auto
-from muonclip_jax.nn._residual_max import LOG2E, head_max, row_max_from_residual
+from muonclip_jax.nn._masking import head_max
+from muonclip_jax.nn._residual_max import LOG2E, row_max_from_residual
 
 
 def test_residual_conversions_match_numpy():

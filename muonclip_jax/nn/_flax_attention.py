@@ -74,10 +74,10 @@ import jax
 import jax.numpy as jnp
 
 from ._attention import ATTENTION_IMPLS, attention
-from ._soft_cap import check_soft_cap, soft_cap
 from ._flax_private import check_module, linen_calling_module
-from ._sow import capturing as _capturing
-from ._sow import sow_head_max as _sow
+from ._masking import head_max
+from ._soft_cap import check_soft_cap, soft_cap
+from ._sow import capturing, sow_head_max
 
 
 def _calling_module(module: Any) -> Any:
@@ -151,7 +151,7 @@ def _dense_with_weights(q, k, v, *, scale, bias, allowed, dropout, dtype, cap):
     s = s + bias.astype(jnp.float32)
   if allowed is not None:
     s = jnp.where(allowed, s, -jnp.inf)
-  max_logits = jax.lax.stop_gradient(jnp.max(s, axis=(0, 2, 3)))  # before the cap (module doc)
+  max_logits = head_max(s, head_axis=1)  # before the cap (module doc)
   s = soft_cap(s, cap)
   row_max = jnp.max(s, axis=-1, keepdims=True)
   p = jnp.exp(s - jax.lax.stop_gradient(jnp.where(jnp.isneginf(row_max), 0.0, row_max)))
@@ -265,7 +265,7 @@ def dot_product_attention(
     tril = jnp.tril(jnp.ones((tq, tk), bool))[None, None]
     allowed = tril if allowed is None else allowed & tril
   target = _calling_module(module)
-  capture = _capturing(target)
+  capture = capturing(target)
   scale = 1.0 / math.sqrt(d)
   with _precision(precision):
     if bias is not None or dropout is not None:
@@ -291,5 +291,5 @@ def dot_product_attention(
         mean_v = jnp.repeat(jnp.mean(v4.astype(jnp.float32), axis=1), h // k4.shape[2], axis=1)
         out = jnp.where(jnp.moveaxis(some, 1, 2)[..., None], out, mean_v[:, None].astype(dt))
   if capture:
-    _sow(target, max_logits)
+    sow_head_max(target, max_logits)
   return out.reshape(batch + out.shape[1:])

@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from ._flax_private import check_module, linen_calling_module
-from ._sow import capturing, head_max, sow_head_max
+from ._masking import head_max
+from ._sow import capturing, sow_head_max
 
 
 def dot_product_attention_weights(

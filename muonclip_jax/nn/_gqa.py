@@ -21,9 +21,10 @@ import jax.numpy as jnp
 
 from .._layouts import GQALayout
 from ._attention import AttentionImpl, attention
-from ._mla import Initializer, check_input, mask_kwargs, validate_common
+from ._module_args import Initializer, check_input, mask_kwargs, validate_common
 from ._rope import YarnScaling, apply_rope
 from ._rope import softmax_scale as _softmax_scale
+from ._sow import capturing, sow_head_max
 
 
 def validate_gqa(
@@ -159,16 +160,13 @@ class GroupedQueryAttention(nn.Module):
         rope_theta=self.rope_theta,
         yarn=self.yarn,
     )
-    capture = self.is_mutable_collection("intermediates")
+    capture = capturing(self)
     out, max_logits = attention(
         q, k, v, softmax_scale=self.softmax_scale, impl=self.attention_impl,
         block_size=self.block_size, return_max_logits=capture, **kw,
     )
     if capture:
-      self.sow(
-          "intermediates", "max_logits", max_logits,
-          init_fn=lambda: jnp.full((h,), -jnp.inf, jnp.float32), reduce_fn=jnp.maximum,
-      )
+      sow_head_max(self, max_logits)
     wo = functools.partial(
         nn.Dense, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
         kernel_init=nn.with_logical_partitioning(self.kernel_init, ("heads", "embed")),

@@ -28,32 +28,11 @@ import jax.numpy as jnp
 
 from .._checks import check_positive_int
 from .._layouts import MLALayout
-from ._attention import ATTENTION_IMPLS, AttentionImpl, attention
-from ._rope import YarnScaling, apply_rope, default_positions
+from ._attention import AttentionImpl, attention
+from ._module_args import Initializer, check_input, mask_kwargs, validate_common
+from ._rope import YarnScaling, apply_rope
 from ._rope import softmax_scale as _softmax_scale
-
-Initializer = Callable[..., jax.Array]
-
-
-def validate_common(
-    name: str,
-    *,
-    attention_impl: str,
-    block_size: int,
-    rope_theta: float,
-    yarn: YarnScaling | None,
-) -> None:
-  """Checks the fields shared by the attention modules; raises ``ValueError``."""
-  if attention_impl not in ATTENTION_IMPLS:
-    raise ValueError(
-        f"{name}: attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}"
-    )
-  check_positive_int(f"{name}: block_size", block_size)
-  if not (isinstance(rope_theta, (int, float)) and rope_theta > 1.0):
-    raise ValueError(f"{name}: rope_theta must be a number > 1, got {rope_theta!r}")
-  if yarn is not None and not isinstance(yarn, YarnScaling):
-    raise ValueError(f"{name}: yarn must be a YarnScaling or None, got {type(yarn).__name__}")
-
+from ._sow import capturing, sow_head_max
 
 def validate_mla(name: str, *, num_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim,
                  qk_rope_head_dim, v_head_dim, rope_interleave=False, **common) -> MLALayout:
@@ -70,33 +49,6 @@ def validate_mla(name: str, *, num_heads, q_lora_rank, kv_lora_rank, qk_nope_hea
     raise ValueError(f"{name}: qk_rope_head_dim must be even for RoPE, got {qk_rope_head_dim}")
   validate_common(name, **common)
   return layout
-
-
-def check_input(name: str, x: jax.Array) -> None:
-  if x.ndim != 3:
-    raise ValueError(f"{name}: expected x of shape (batch, seq, dim), got {x.shape}")
-
-
-def mask_kwargs(x, *, positions, segment_ids, padding_mask, mask, causal) -> tuple[jax.Array, dict]:
-  """Module call arguments -> (positions, keyword arguments of ``attention``).
-
-  ``padding_mask`` ``(B, T)`` (True = real token) masks padded keys and padded queries;
-  ``segment_ids`` ``(B, T)`` keeps attention inside each packed sequence; ``mask`` is a
-  Flax-style boolean ``(B|1, H|1, T, T)`` mask; ``causal`` uses token indices, so packed
-  sequences need ``segment_ids``. ``positions`` ``(B, T)`` only feed RoPE.
-  """
-  b, t = x.shape[:2]
-  named = (positions, "positions"), (segment_ids, "segment_ids"), (padding_mask, "padding_mask")
-  for arg, label in named:
-    if arg is not None and tuple(arg.shape) != (b, t):
-      raise ValueError(f"{label} must have shape {(b, t)} (batch, seq), got {tuple(arg.shape)}")
-  if positions is None:
-    positions = default_positions(b, t)
-  kw = dict(
-      causal=causal, mask=mask, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-      q_mask=padding_mask, kv_mask=padding_mask,
-  )
-  return positions, kw
 
 
 def mla_qkv(
@@ -274,14 +226,11 @@ class MultiHeadLatentAttention(nn.Module):
         q, wkv_a(x), kv_norm, wkv_b, positions, layout=layout, kv_lora_rank=self.kv_lora_rank,
         rope_theta=self.rope_theta, yarn=self.yarn, rope_interleave=self.rope_interleave,
     )
-    capture = self.is_mutable_collection("intermediates")
+    capture = capturing(self)
     out, max_logits = attention(
         q, k, v, softmax_scale=self.softmax_scale, impl=self.attention_impl,
         block_size=self.block_size, return_max_logits=capture, **kw,
     )
     if capture:
-      self.sow(
-          "intermediates", "max_logits", max_logits,
-          init_fn=lambda: jnp.full((h,), -jnp.inf, jnp.float32), reduce_fn=jnp.maximum,
-      )
+      sow_head_max(self, max_logits)
     return dense(dim, kernel_init=init("heads", "embed"), name="wo")(out.reshape(b, t, h * dv))

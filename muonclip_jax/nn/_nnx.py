@@ -38,11 +38,12 @@ from flax import nnx
 
 from .._layouts import GQALayout, MLALayout
 from ._attention import AttentionImpl, attention
-from ._flax_private import nnx_capturing as capturing_intermediates
 from ._gqa import gqa_qkv, validate_gqa
-from ._mla import Initializer, check_input, mask_kwargs, mla_qkv, validate_mla
+from ._mla import mla_qkv, validate_mla
+from ._module_args import Initializer, check_input, mask_kwargs
 from ._rope import YarnScaling
 from ._rope import softmax_scale as _softmax_scale
+from ._sow import capturing, sow_head_max
 
 _default_kernel_init = nnx.initializers.lecun_normal()
 _default_bias_init = nnx.initializers.zeros_init()
@@ -55,13 +56,6 @@ def _linear(in_features, out_features, names, *, use_bias=False, dtype, param_dt
       kernel_init=kernel_init, bias_init=bias_init, rngs=rngs,
       kernel_metadata={"out_sharding": names, "eager_sharding": eager_sharding},
       bias_metadata={"out_sharding": names[1:], "eager_sharding": eager_sharding},
-  )
-
-
-def _sow_max_logits(module: nnx.Module, max_logits: jax.Array, h: int) -> None:
-  module.sow(
-      nnx.Intermediate, "max_logits", max_logits,
-      init_fn=lambda: jnp.full((h,), -jnp.inf, jnp.float32), reduce_fn=jnp.maximum,
   )
 
 
@@ -157,13 +151,13 @@ class MultiHeadLatentAttentionNNX(nnx.Module):
         kv_lora_rank=self.kv_lora_rank, rope_theta=self.rope_theta, yarn=self.yarn,
         rope_interleave=self.rope_interleave,
     )
-    capture = capturing_intermediates(self)
+    capture = capturing(self)
     out, max_logits = attention(
         q, k, v, softmax_scale=self.softmax_scale, impl=self.attention_impl,
         block_size=self.block_size, return_max_logits=capture, **kw,
     )
     if capture:
-      _sow_max_logits(self, max_logits, layout.num_heads)
+      sow_head_max(self, max_logits)
     return self.wo(out.reshape(b, t, layout.num_heads * layout.v_head_dim))
 
 
@@ -243,11 +237,11 @@ class GroupedQueryAttentionNNX(nnx.Module):
         self.wq(x), self.wk(x), self.wv(x), positions, layout=layout, use_rope=self.use_rope,
         rope_theta=self.rope_theta, yarn=self.yarn,
     )
-    capture = capturing_intermediates(self)
+    capture = capturing(self)
     out, max_logits = attention(
         q, k, v, softmax_scale=self.softmax_scale, impl=self.attention_impl,
         block_size=self.block_size, return_max_logits=capture, **kw,
     )
     if capture:
-      _sow_max_logits(self, max_logits, layout.num_heads)
+      sow_head_max(self, max_logits)
     return self.wo(out.reshape(b, t, layout.num_heads * layout.head_dim))

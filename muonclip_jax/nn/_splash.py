@@ -45,8 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _tokamax_adapter
-from ._attention import _check_and_prepare
-from ._residual_max import head_max, row_max_from_residual
+from ._masking import check_and_prepare, head_max
+from ._residual_max import row_max_from_residual
 
 LANES = 128  # splash's block sizes must be multiples of the TPU lane width
 
@@ -174,7 +174,7 @@ def splash_attention(
     raise ValueError(f"splash_attention: logits_soft_cap must be > 0, got {logits_soft_cap!r}")
   if window is not None and (len(window) != 2 or any(w is not None and w < 0 for w in window)):
     raise ValueError(f"splash_attention: window must be (left, right) of ints >= 0 or None, got {window!r}")
-  q_side, k_side = _check_and_prepare(
+  q_side, k_side = check_and_prepare(
       q, k, v, mask=None, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       q_mask=q_mask, kv_mask=kv_mask, name="splash_attention",
   )

@@ -43,8 +43,8 @@ import jax
 import jax.numpy as jnp
 
 from . import _tokamax_adapter
-from ._attention import _check_and_prepare
-from ._residual_max import head_max, row_max_from_residual
+from ._masking import Static, check_and_prepare, dense_mask, head_max
+from ._residual_max import row_max_from_residual
 
 GPU_IMPLEMENTATIONS = ("mosaic_gpu", "triton")
 
@@ -97,7 +97,7 @@ def tokamax_gpu_attention(
   Reverse-mode differentiable (``grad``, ``vjp``: a custom VJP around tokamax's), not
   forward mode (``jvp``).
   """
-  q_side, k_side = _check_and_prepare(
+  q_side, k_side = check_and_prepare(
       q, k, v, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       q_mask=q_mask, kv_mask=kv_mask, name="tokamax_gpu_attention",
   )
@@ -117,22 +117,9 @@ def tokamax_gpu_attention(
                      "its residual is not a row maximum")
   b, tq, h, _ = q.shape
   tk = k.shape[1]
-  allowed = None
-  if q_side.segment_ids is not None:
-    allowed = (q_side.segment_ids[:, :, None] == k_side.segment_ids[:, None, :])[:, None]
-  if q_side.mask is not None:
-    part = q_side.mask[:, None, :, None]
-    allowed = part if allowed is None else allowed & part
-  if k_side.mask is not None:
-    part = k_side.mask[:, None, None, :]
-    allowed = part if allowed is None else allowed & part
-  if causal and tq != tk:
-    part = (jnp.arange(tk)[None, :] <= jnp.arange(tq)[:, None] + (tk - tq))[None, None]
-    allowed = part if allowed is None else allowed & part
-  if k_side.pair_mask is not None:  # (Bm, Hkv|1, G|1, Tq, Tk) -> (Bm, H|1, Tq, Tk)
-    pm = k_side.pair_mask
-    pm = pm.reshape(pm.shape[0], pm.shape[1] * pm.shape[2], tq, tk)
-    allowed = pm if allowed is None else allowed & pm
+  # the op's is_causal is used for Tq == Tk only; causal with Tq != Tk (bottom-right) is in the mask
+  cfg = Static(float(softmax_scale), bool(causal) and tq != tk, tq, tk, tk, False)
+  allowed = dense_mask(cfg, q_side, k_side)
   run = lambda q, k, v: op(q, k, v, logits_scale=float(softmax_scale), mask=allowed,
                           is_causal=bool(causal) and tq == tk, return_residuals=True)
   out, (m, _) = _tokamax_adapter.allowing_rank_promotion(run)(q, k, v)
