@@ -29,6 +29,7 @@ from typing import Literal
 
 import jax
 
+from .._deprecation import renamed_keywords
 from ._auto import resolve_impl
 from ._chunked import chunked_attention
 from ._dense import dense_attention
@@ -42,6 +43,7 @@ AttentionImpl = Literal["auto", "dense", "chunked", "pallas", "dpa_max", "splash
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "dense", "chunked", "pallas", "dpa_max", "splash", "tokamax_gpu")
 
 
+@renamed_keywords(causal="is_causal")
 def attention(
     q: jax.Array,
     k: jax.Array,
@@ -50,7 +52,7 @@ def attention(
     softmax_scale: float,
     impl: AttentionImpl = "auto",
     block_size: int = 512,
-    causal: bool = False,
+    is_causal: bool = False,
     mask: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
@@ -78,18 +80,19 @@ def attention(
     the masks (splash on TPU, ``tokamax_gpu`` on GPU, ``dense`` on CPU), logging any
     fallback.
 
-  See ``dense_attention`` for the arguments and outputs, which all share.
+  See ``dense_attention`` for the arguments and outputs, which all share (``is_causal``'s
+  deprecated spelling ``causal`` still works, with a DeprecationWarning).
   ``logits_soft_cap`` (``cap * tanh(s / cap)`` before the softmax; the maxima stay those of
   the logits before the cap) is supported by ``"dense"``, and by ``"splash"`` without
   ``return_max_logits`` (splash keeps only the capped maximum); any other ``impl`` with a
   cap raises ValueError, and ``"auto"`` then falls back to ``"dense"`` with a log line.
   """
   if impl == "auto":
-    impl = resolve_impl(q, k, v, mask=mask, causal=causal, logits_soft_cap=logits_soft_cap,
+    impl = resolve_impl(q, k, v, mask=mask, is_causal=is_causal, logits_soft_cap=logits_soft_cap,
                         return_max_logits=return_max_logits)
   check_soft_cap(logits_soft_cap, impl if impl in ATTENTION_IMPLS else "dense", "attention")
   kwargs = dict(
-      softmax_scale=softmax_scale, causal=causal, mask=mask, q_segment_ids=q_segment_ids,
+      softmax_scale=softmax_scale, is_causal=is_causal, mask=mask, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids, q_mask=q_mask, kv_mask=kv_mask,
       return_max_logits=return_max_logits,
   )

@@ -18,6 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from .._deprecation import renamed_keywords
 from ._masking import (
     Static,
     check_and_prepare,
@@ -111,13 +112,14 @@ def _flash_bwd(cfg, res, cts):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+@renamed_keywords(causal="is_causal")
 def chunked_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     *,
     softmax_scale: float,
-    causal: bool = False,
+    is_causal: bool = False,
     mask: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
@@ -155,7 +157,7 @@ def chunked_attention(
   tk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
   block = min(block_size, tk)
   nb = -(-tk // block)
-  cfg = Static(float(softmax_scale), bool(causal), tq, tk, block, nb * block != tk)
+  cfg = Static(float(softmax_scale), bool(is_causal), tq, tk, block, nb * block != tk)
   out, row_max = _flash(
       cfg, group(q, hkv), to_blocks(k, 1, nb, block), to_blocks(v, 1, nb, block), q_side,
       key_side_blocks(k_side, nb, block),

@@ -139,7 +139,7 @@ def mla_from_hf_config(config: Mapping, **overrides) -> MultiHeadLatentAttention
       ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``rope_theta``, and
       ``rope_scaling`` / ``max_position_embeddings`` / ``rope_interleave``; see the module
       docstring for how YaRN and its temperature are set).
-    **overrides: other module fields (``attention_impl``, ``dtype``, ...).
+    **overrides: other module fields (``impl``, ``is_causal``, ``dtype``, ...).
 
   Raises:
     ValueError: a needed key is missing (the message names it) or unsupported.

@@ -22,17 +22,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .._deprecation import renamed_keywords
 from ._masking import Static, check_and_prepare, group, grouped_head_max, safe_shift, scores
 from ._soft_cap import check_soft_cap, soft_cap
 
 
+@renamed_keywords(causal="is_causal")
 def dense_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     *,
     softmax_scale: float,
-    causal: bool = False,
+    is_causal: bool = False,
     mask: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
@@ -51,7 +53,8 @@ def dense_attention(
     k: keys ``(B, Tk, Hkv, Dqk)``, ``H % Hkv == 0``.
     v: values ``(B, Tk, Hkv, Dv)``.
     softmax_scale: the factor applied to ``q . k`` (static Python float).
-    causal: mask keys after the query (bottom-right aligned).
+    is_causal: mask keys after the query (bottom-right aligned). Deprecated spelling:
+      ``causal`` (DeprecationWarning).
     mask: optional boolean mask broadcastable to ``(B, H, Tq, Tk)``, True = attend.
     q_segment_ids: optional ``(B, Tq)`` ints; with ``kv_segment_ids`` ``(B, Tk)``,
       only equal segments attend (packed sequences).
@@ -75,7 +78,7 @@ def dense_attention(
   )
   b, tq, h, _ = q.shape
   tk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
-  cfg = Static(float(softmax_scale), bool(causal), tq, tk, tk, False)
+  cfg = Static(float(softmax_scale), bool(is_causal), tq, tk, tk, False)
   out_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
   s = scores(cfg, group(q, hkv), k, q_side, k_side, 0)
   row_max = jnp.max(s, axis=-1)  # (B, Hkv, G, Tq)

@@ -28,6 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from .._deprecation import renamed_keywords
 from ._masking import (
     Static,
     check_and_prepare,
@@ -96,13 +97,14 @@ def _backend_attention(cfg: Static, q, k, v, q_side, k_side) -> jax.Array:
   return out
 
 
+@renamed_keywords(causal="is_causal")
 def dpa_max_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     *,
     softmax_scale: float,
-    causal: bool = False,
+    is_causal: bool = False,
     mask: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
@@ -126,11 +128,11 @@ def dpa_max_attention(
       q_mask=q_mask, kv_mask=kv_mask, name="dpa_max_attention",
   )
   tq, tk = q.shape[1], k.shape[1]
-  whole = Static(float(softmax_scale), bool(causal), tq, tk, tk, False)
+  whole = Static(float(softmax_scale), bool(is_causal), tq, tk, tk, False)
   out = _backend_attention(whole, q, k, v, q_side, k_side)
   if not return_max_logits:
     return out, None
   block = min(block_size, tk)
   nb = -(-tk // block)
-  blocked = Static(float(softmax_scale), bool(causal), tq, tk, block, nb * block != tk)
+  blocked = Static(float(softmax_scale), bool(is_causal), tq, tk, block, nb * block != tk)
   return out, _max_only(blocked, q, k, q_side, k_side, nb)

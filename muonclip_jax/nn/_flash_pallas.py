@@ -35,6 +35,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from .._deprecation import renamed_keywords, stacklevel_outside
 from ._flash_pallas_kernels import MAX_TILE, KernelConfig, flash, pow2_at_least, tile
 from ._masking import check_and_prepare, check_block_size, head_max, pad_axis
 
@@ -53,13 +54,14 @@ def _default_interpret(backend: str) -> bool:
   )
 
 
+@renamed_keywords(causal="is_causal")
 def pallas_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     *,
     softmax_scale: float,
-    causal: bool = False,
+    is_causal: bool = False,
     mask: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
@@ -86,7 +88,7 @@ def pallas_attention(
   if mask is not None:
     raise ValueError(
         "pallas_attention: the explicit boolean `mask` (B, H, Tq, Tk) is not supported by "
-        "the fused kernel; use causal/q_segment_ids/kv_segment_ids/q_mask/kv_mask, or "
+        "the fused kernel; use is_causal/q_segment_ids/kv_segment_ids/q_mask/kv_mask, or "
         "impl='dense', 'chunked' or 'dpa_max'"
     )
   check_block_size(block_size, "pallas_attention")
@@ -102,10 +104,10 @@ def pallas_attention(
     warnings.warn(
         "pallas_attention (impl='pallas') rests on JAX's Pallas Triton backend, which JAX "
         "deprecates; use impl='tokamax_gpu' or impl='auto' (pip install 'muonclip_jax[tokamax]')",
-        DeprecationWarning, stacklevel=2,
+        DeprecationWarning, stacklevel=stacklevel_outside(),
     )
   cfg = KernelConfig(
-      scale=float(softmax_scale), is_causal=bool(causal), tq=tq, tk=tk,
+      scale=float(softmax_scale), is_causal=bool(is_causal), tq=tq, tk=tk,
       bq=tile(block_size, tq), bk=tile(block_size, tk), groups=h // hkv,
       segments=q_side.segment_ids is not None, q_valid=q_side.mask is not None,
       kv_valid=k_side.mask is not None, capture=bool(return_max_logits),

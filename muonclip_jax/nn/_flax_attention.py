@@ -260,8 +260,8 @@ def dot_product_attention(
   q4, k4, v4 = (x.reshape((b,) + x.shape[-3:]) for x in (query, key, value))
   full = (h, tq, tk)
   allowed = None if mask is None else _to_4d(mask, "mask", batch, full).astype(bool)
-  causal = bool(is_causal) and tq == tk
-  if is_causal and not causal:  # NNX's mask is jnp.tril(ones((Tq, Tk))): top-left aligned
+  square_causal = bool(is_causal) and tq == tk  # the kernels' causal mask (equal lengths)
+  if is_causal and not square_causal:  # NNX's mask is jnp.tril(ones((Tq, Tk))): top-left aligned
     tril = jnp.tril(jnp.ones((tq, tk), bool))[None, None]
     allowed = tril if allowed is None else allowed & tril
   target = _calling_module(module)
@@ -272,7 +272,7 @@ def dot_product_attention(
       if impl not in ("dense", "auto"):
         raise ValueError(f"dot_product_attention: impl={impl!r} supports neither an additive bias nor "
                          "dropout; these need the attention weights (impl='dense')")
-      if causal:
+      if square_causal:
         tril = jnp.tril(jnp.ones((tq, tk), bool))[None, None]
         allowed = tril if allowed is None else allowed & tril
       bias4 = None if bias is None else _to_4d(bias, "bias", batch, full)
@@ -281,12 +281,12 @@ def dot_product_attention(
     else:
       pair_mask, kv_mask = allowed, None
       if impl in ("pallas", "splash") and allowed is not None:
-        pair_mask, kv_mask = None, _key_padding(allowed, mask, b, tk, is_causal=bool(is_causal) and not causal)
+        pair_mask, kv_mask = None, _key_padding(allowed, mask, b, tk, is_causal=bool(is_causal) and not square_causal)
       out, max_logits = attention(q4, k4, v4, softmax_scale=scale, impl=impl, block_size=block_size,
-                                  causal=causal, mask=pair_mask, kv_mask=kv_mask, return_max_logits=capture,
+                                  is_causal=square_causal, mask=pair_mask, kv_mask=kv_mask, return_max_logits=capture,
                                   logits_soft_cap=logits_soft_cap)
       if allowed is not None:  # Flax: a row with every key masked gets the mean of the values
-        rows = allowed if not causal else allowed & jnp.tril(jnp.ones((tq, tk), bool))[None, None]
+        rows = allowed if not square_causal else allowed & jnp.tril(jnp.ones((tq, tk), bool))[None, None]
         some = jnp.any(jnp.broadcast_to(rows, rows.shape[:2] + (tq, tk)), axis=-1)  # (B|1, H|1, Tq)
         mean_v = jnp.repeat(jnp.mean(v4.astype(jnp.float32), axis=1), h // k4.shape[2], axis=1)
         out = jnp.where(jnp.moveaxis(some, 1, 2)[..., None], out, mean_v[:, None].astype(dt))

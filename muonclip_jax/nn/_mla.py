@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from .._checks import check_positive_int
 from .._layouts import MLALayout
 from ._attention import AttentionImpl, attention
-from ._module_args import Initializer, check_input, mask_kwargs, validate_common
+from ._module_args import Initializer, check_input, mask_kwargs, resolve_renamed_fields, validate_common
 from ._rope import YarnScaling, apply_rope
 from ._rope import softmax_scale as _softmax_scale
 from ._sow import capturing, sow_head_max
@@ -134,8 +134,8 @@ class MultiHeadLatentAttention(nn.Module):
     rope_interleave: rotate the pairs ``(2i, 2i+1)`` of each rotary part (DeepSeek-V3's
       reference and Hugging Face's ``rope_interleave``) instead of ``(i, i + dr/2)``;
       checkpoints of DeepSeek-V3 / Kimi K2 then load without permuting columns.
-    causal: causal self-attention (default True).
-    attention_impl: ``"auto"`` (default: splash on TPU, tokamax's GPU kernels on GPU, dense
+    is_causal: causal self-attention (default True).
+    impl: ``"auto"`` (default: splash on TPU, tokamax's GPU kernels on GPU, dense
       on CPU), ``"dense"`` (materialized logits), ``"chunked"`` (online softmax), ``"pallas"``
       (fused Pallas kernel), ``"dpa_max"``, ``"splash"`` or ``"tokamax_gpu"`` (see ``attention``).
     block_size: key block length of ``"chunked"`` and ``"dpa_max"``; caps ``"pallas"`` tiles.
@@ -143,6 +143,8 @@ class MultiHeadLatentAttention(nn.Module):
     dtype: computation dtype (``None``: inferred from inputs and params).
     param_dtype: parameter dtype.
     kernel_init: initializer of every kernel (wrapped with its logical axis names).
+    causal: deprecated spelling of ``is_causal`` (DeprecationWarning; removed in the next release).
+    attention_impl: deprecated spelling of ``impl`` (DeprecationWarning; removed in the next release).
   """
 
   num_heads: int
@@ -154,20 +156,23 @@ class MultiHeadLatentAttention(nn.Module):
   rope_theta: float = 10000.0
   yarn: YarnScaling | None = None
   rope_interleave: bool = False
-  causal: bool = True
-  attention_impl: AttentionImpl = "auto"
+  is_causal: bool = True
+  impl: AttentionImpl = "auto"
   block_size: int = 512
   norm_epsilon: float = 1e-6
   dtype: Any = None
   param_dtype: Any = jnp.float32
   kernel_init: Initializer = nn.initializers.lecun_normal()
+  causal: bool | None = None  # deprecated: is_causal
+  attention_impl: AttentionImpl | None = None  # deprecated: impl
 
   def __post_init__(self):
+    resolve_renamed_fields(self)
     validate_mla(
         type(self).__name__, num_heads=self.num_heads, q_lora_rank=self.q_lora_rank,
         kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
         qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
-        attention_impl=self.attention_impl, block_size=self.block_size,
+        impl=self.impl, block_size=self.block_size,
         rope_theta=self.rope_theta, yarn=self.yarn, rope_interleave=self.rope_interleave,
     )
     super().__post_init__()
@@ -220,7 +225,7 @@ class MultiHeadLatentAttention(nn.Module):
     )
     positions, kw = mask_kwargs(
         x, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask, mask=mask,
-        causal=self.causal,
+        is_causal=self.is_causal,
     )
     q, k, v = mla_qkv(
         q, wkv_a(x), kv_norm, wkv_b, positions, layout=layout, kv_lora_rank=self.kv_lora_rank,
@@ -228,7 +233,7 @@ class MultiHeadLatentAttention(nn.Module):
     )
     capture = capturing(self)
     out, max_logits = attention(
-        q, k, v, softmax_scale=self.softmax_scale, impl=self.attention_impl,
+        q, k, v, softmax_scale=self.softmax_scale, impl=self.impl,
         block_size=self.block_size, return_max_logits=capture, **kw,
     )
     if capture:

@@ -40,7 +40,7 @@ from .._layouts import GQALayout, MLALayout
 from ._attention import AttentionImpl, attention
 from ._gqa import gqa_qkv, validate_gqa
 from ._mla import mla_qkv, validate_mla
-from ._module_args import Initializer, check_input, mask_kwargs
+from ._module_args import Initializer, check_input, mask_kwargs, renamed_fields
 from ._rope import YarnScaling
 from ._rope import softmax_scale as _softmax_scale
 from ._sow import capturing, sow_head_max
@@ -64,7 +64,9 @@ class MultiHeadLatentAttentionNNX(nnx.Module):
 
   ``model(x, positions=None, segment_ids=None, padding_mask=None, mask=None)``; see the
   Linen docstring for the math, the parameter tree and the logical axis names, and this
-  module's docstring for capturing ``max_logits`` with ``nnx.capture``.
+  module's docstring for capturing ``max_logits`` with ``nnx.capture``. The deprecated
+  keywords ``causal`` and ``attention_impl`` (now ``is_causal`` and ``impl``) still work for
+  one release, with a DeprecationWarning.
   """
 
   def __init__(
@@ -80,8 +82,8 @@ class MultiHeadLatentAttentionNNX(nnx.Module):
       rope_theta: float = 10000.0,
       yarn: YarnScaling | None = None,
       rope_interleave: bool = False,
-      causal: bool = True,
-      attention_impl: AttentionImpl = "auto",
+      is_causal: bool = True,
+      impl: AttentionImpl = "auto",
       block_size: int = 512,
       norm_epsilon: float = 1e-6,
       dtype: Any = None,
@@ -89,17 +91,22 @@ class MultiHeadLatentAttentionNNX(nnx.Module):
       kernel_init: Initializer = _default_kernel_init,
       eager_sharding: bool | None = False,
       rngs: nnx.Rngs,
+      causal: bool | None = None,
+      attention_impl: AttentionImpl | None = None,
   ):
+    renamed = renamed_fields(type(self).__name__, dict(
+        causal=causal, is_causal=is_causal, attention_impl=attention_impl, impl=impl))
+    is_causal, impl = renamed["is_causal"], renamed["impl"]
     self._layout = validate_mla(
         type(self).__name__, num_heads=num_heads, q_lora_rank=q_lora_rank,
         kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
-        qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim, attention_impl=attention_impl,
+        qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim, impl=impl,
         block_size=block_size, rope_theta=rope_theta, yarn=yarn, rope_interleave=rope_interleave,
     )
     self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
     self.rope_interleave = rope_interleave
-    self.rope_theta, self.yarn, self.causal = rope_theta, yarn, causal
-    self.attention_impl, self.block_size = attention_impl, block_size
+    self.rope_theta, self.yarn, self.is_causal = rope_theta, yarn, is_causal
+    self.impl, self.block_size = impl, block_size
     h, dn, dr, dv = num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
     kw = dict(
         dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
@@ -144,7 +151,7 @@ class MultiHeadLatentAttentionNNX(nnx.Module):
     q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora_rank else self.wq(x)
     positions, kw = mask_kwargs(
         x, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask, mask=mask,
-        causal=self.causal,
+        is_causal=self.is_causal,
     )
     q, k, v = mla_qkv(
         q, self.wkv_a(x), self.kv_norm, self.wkv_b, positions, layout=layout,
@@ -153,7 +160,7 @@ class MultiHeadLatentAttentionNNX(nnx.Module):
     )
     capture = capturing(self)
     out, max_logits = attention(
-        q, k, v, softmax_scale=self.softmax_scale, impl=self.attention_impl,
+        q, k, v, softmax_scale=self.softmax_scale, impl=self.impl,
         block_size=self.block_size, return_max_logits=capture, **kw,
     )
     if capture:
@@ -165,7 +172,9 @@ class GroupedQueryAttentionNNX(nnx.Module):
   """NNX twin of ``GroupedQueryAttention`` (same math, parameter names and shapes).
 
   ``model(x, positions=None, segment_ids=None, padding_mask=None, mask=None)``; see the
-  Linen docstring and this module's docstring for capturing ``max_logits``.
+  Linen docstring and this module's docstring for capturing ``max_logits``. The deprecated
+  keywords ``causal`` and ``attention_impl`` (now ``is_causal`` and ``impl``) still work for
+  one release, with a DeprecationWarning.
   """
 
   def __init__(
@@ -179,8 +188,8 @@ class GroupedQueryAttentionNNX(nnx.Module):
       use_rope: bool = True,
       rope_theta: float = 10000.0,
       yarn: YarnScaling | None = None,
-      causal: bool = True,
-      attention_impl: AttentionImpl = "auto",
+      is_causal: bool = True,
+      impl: AttentionImpl = "auto",
       block_size: int = 512,
       clip_mode: Literal["split", "query"] = "split",
       dtype: Any = None,
@@ -189,14 +198,19 @@ class GroupedQueryAttentionNNX(nnx.Module):
       bias_init: Initializer = _default_bias_init,
       eager_sharding: bool | None = False,
       rngs: nnx.Rngs,
+      causal: bool | None = None,
+      attention_impl: AttentionImpl | None = None,
   ):
+    renamed = renamed_fields(type(self).__name__, dict(
+        causal=causal, is_causal=is_causal, attention_impl=attention_impl, impl=impl))
+    is_causal, impl = renamed["is_causal"], renamed["impl"]
     self._layout = validate_gqa(
         type(self).__name__, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        clip_mode=clip_mode, use_rope=use_rope, attention_impl=attention_impl,
+        clip_mode=clip_mode, use_rope=use_rope, impl=impl,
         block_size=block_size, rope_theta=rope_theta, yarn=yarn,
     )
-    self.use_rope, self.rope_theta, self.yarn, self.causal = use_rope, rope_theta, yarn, causal
-    self.attention_impl, self.block_size = attention_impl, block_size
+    self.use_rope, self.rope_theta, self.yarn, self.is_causal = use_rope, rope_theta, yarn, is_causal
+    self.impl, self.block_size = impl, block_size
     kw = dict(
         dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
         eager_sharding=eager_sharding, rngs=rngs,
@@ -231,7 +245,7 @@ class GroupedQueryAttentionNNX(nnx.Module):
     layout = self._layout
     positions, kw = mask_kwargs(
         x, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask, mask=mask,
-        causal=self.causal,
+        is_causal=self.is_causal,
     )
     q, k, v = gqa_qkv(
         self.wq(x), self.wk(x), self.wv(x), positions, layout=layout, use_rope=self.use_rope,
@@ -239,7 +253,7 @@ class GroupedQueryAttentionNNX(nnx.Module):
     )
     capture = capturing(self)
     out, max_logits = attention(
-        q, k, v, softmax_scale=self.softmax_scale, impl=self.attention_impl,
+        q, k, v, softmax_scale=self.softmax_scale, impl=self.impl,
         block_size=self.block_size, return_max_logits=capture, **kw,
     )
     if capture:

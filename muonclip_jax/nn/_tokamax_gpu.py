@@ -23,7 +23,7 @@ their softmax is always stable here. Neither GPU kernel has run in this project'
 GPU): only the XLA op runs in the tests, the GPU claims rest on reading their code.
 The ``triton`` op rests on JAX's Pallas Triton backend, which JAX 0.12 deprecates.
 
-Masks: ``causal`` (bottom-right aligned) uses the op's ``is_causal`` when ``Tq == Tk``;
+Masks: ``is_causal`` (bottom-right aligned) uses the op's ``is_causal`` when ``Tq == Tk``;
 any other mask (segment ids, padding, cross-length causal, an explicit ``mask``) is
 passed as one boolean ``(B, H|1, Tq, Tk)`` array, which the kernels read in tiles but
 which costs ``B * Tq * Tk`` bytes to build. Rows without a visible key report the op's
@@ -42,6 +42,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .._deprecation import renamed_keywords
 from . import _tokamax_adapter
 from ._masking import Static, check_and_prepare, dense_mask, head_max
 from ._residual_max import row_max_from_residual
@@ -72,13 +73,14 @@ def _device_capability() -> str | None:
   return getattr(dev, "compute_capability", None)
 
 
+@renamed_keywords(causal="is_causal")
 def tokamax_gpu_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     *,
     softmax_scale: float,
-    causal: bool = False,
+    is_causal: bool = False,
     mask: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
@@ -118,10 +120,10 @@ def tokamax_gpu_attention(
   b, tq, h, _ = q.shape
   tk = k.shape[1]
   # the op's is_causal is used for Tq == Tk only; causal with Tq != Tk (bottom-right) is in the mask
-  cfg = Static(float(softmax_scale), bool(causal) and tq != tk, tq, tk, tk, False)
+  cfg = Static(float(softmax_scale), bool(is_causal) and tq != tk, tq, tk, tk, False)
   allowed = dense_mask(cfg, q_side, k_side)
   run = lambda q, k, v: op(q, k, v, logits_scale=float(softmax_scale), mask=allowed,
-                          is_causal=bool(causal) and tq == tk, return_residuals=True)
+                          is_causal=bool(is_causal) and tq == tk, return_residuals=True)
   out, (m, _) = _tokamax_adapter.allowing_rank_promotion(run)(q, k, v)
   row_max = row_max_from_residual(
       m, log2_units=implementation == "triton" and bool(getattr(op, "use_base2", False)))
