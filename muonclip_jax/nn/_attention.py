@@ -86,6 +86,17 @@ def attention(
   the logits before the cap) is supported by ``"dense"``, and by ``"splash"`` without
   ``return_max_logits`` (splash keeps only the capped maximum); any other ``impl`` with a
   cap raises ValueError, and ``"auto"`` then falls back to ``"dense"`` with a log line.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from muonclip_jax.nn import attention
+    >>> q = k = v = jnp.ones((1, 4, 2, 8))  # (batch, length, heads, head_dim)
+    >>> out, max_logits = attention(q, k, v, softmax_scale=8 ** -0.5, impl="dense",
+    ...                             is_causal=True, return_max_logits=True)
+    >>> out.shape, max_logits.shape
+    ((1, 4, 2, 8), (2,))
+    >>> round(float(max_logits[0]), 4)  # q . k / sqrt(8) = 8 / sqrt(8)
+    2.8284
   """
   if impl == "auto":
     impl = resolve_impl(q, k, v, mask=mask, is_causal=is_causal, logits_soft_cap=logits_soft_cap,

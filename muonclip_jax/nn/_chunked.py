@@ -147,6 +147,16 @@ def chunked_attention(
 
   Returns:
     ``(out, max_logits)`` as ``dense_attention``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from muonclip_jax.nn import chunked_attention, dense_attention
+    >>> q = k = v = jnp.linspace(-1.0, 1.0, 2 * 6 * 2 * 4).reshape(2, 6, 2, 4)
+    >>> out, m = chunked_attention(q, k, v, softmax_scale=0.5, is_causal=True, block_size=4,
+    ...                            return_max_logits=True)
+    >>> ref, ref_m = dense_attention(q, k, v, softmax_scale=0.5, is_causal=True, return_max_logits=True)
+    >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-6)), bool(jnp.allclose(m, ref_m))
+    ((2, 6, 2, 4), True, True)
   """
   check_block_size(block_size, "chunked_attention")
   q_side, k_side = check_and_prepare(

@@ -70,6 +70,17 @@ def dense_attention(
   Returns:
     ``(out, max_logits)``: ``out`` of shape ``(B, Tq, H, Dv)``; ``max_logits`` float32
     ``(H,)`` under ``stop_gradient`` or ``None``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from muonclip_jax.nn import dense_attention
+    >>> q = jnp.ones((1, 3, 4, 8))      # 4 query heads
+    >>> k = v = jnp.ones((1, 5, 2, 8))  # 2 key/value heads: grouped-query attention
+    >>> kv_mask = jnp.array([[True, True, True, False, False]])  # the last two keys are padding
+    >>> out, max_logits = dense_attention(q, k, v, softmax_scale=0.5, kv_mask=kv_mask,
+    ...                                   return_max_logits=True)
+    >>> out.shape, max_logits.tolist()  # 0.5 * (q . k) = 0.5 * 8
+    ((1, 3, 4, 8), [4.0, 4.0, 4.0, 4.0])
   """
   check_soft_cap(logits_soft_cap, "dense", "dense_attention")
   q_side, k_side = check_and_prepare(

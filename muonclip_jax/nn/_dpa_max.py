@@ -121,6 +121,16 @@ def dpa_max_attention(
   Args:
     block_size: key block length of the max-only pass (``O(B H Tq block_size)`` memory).
     (the others as in ``dense_attention``)
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from muonclip_jax.nn import dense_attention, dpa_max_attention
+    >>> q = k = v = jnp.linspace(-1.0, 1.0, 2 * 6 * 2 * 4).reshape(2, 6, 2, 4)
+    >>> out, m = dpa_max_attention(q, k, v, softmax_scale=0.5, is_causal=True, block_size=4,
+    ...                            return_max_logits=True)
+    >>> ref, ref_m = dense_attention(q, k, v, softmax_scale=0.5, is_causal=True, return_max_logits=True)
+    >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-6)), bool(jnp.allclose(m, ref_m))
+    ((2, 6, 2, 4), True, True)
   """
   check_block_size(block_size, "dpa_max_attention")
   q_side, k_side = check_and_prepare(

@@ -84,6 +84,16 @@ def pallas_attention(
     interpret: run the kernels in Pallas interpret mode. ``None``: compiled Triton on a
       GPU, interpret mode on a CPU, ValueError on any other backend (no TPU variant).
     (the others as in ``dense_attention``)
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from muonclip_jax.nn import dense_attention, pallas_attention
+    >>> q = k = v = jnp.linspace(-1.0, 1.0, 1 * 8 * 2 * 8).reshape(1, 8, 2, 8)
+    >>> out, m = pallas_attention(q, k, v, softmax_scale=0.35, is_causal=True,
+    ...                           return_max_logits=True, interpret=True)  # Pallas interpret mode
+    >>> ref, ref_m = dense_attention(q, k, v, softmax_scale=0.35, is_causal=True, return_max_logits=True)
+    >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-5)), bool(jnp.allclose(m, ref_m))
+    ((1, 8, 2, 8), True, True)
   """
   if mask is not None:
     raise ValueError(

@@ -311,7 +311,7 @@ def _flash_bwd(cfg, res, cts):
   ``D_i = sum_d dO_id O_id``. The row-maximum output is a capture: its cotangent is
   ignored (the modules use it under ``stop_gradient``). Tiles are at most 32 (they divide
   the forward's power-of-two tiles, so the padded lengths still split evenly); these
-  sizes are not tuned on a GPU.
+  sizes are not tuned.
   """
   cfg = dataclasses.replace(cfg, bq=min(cfg.bq, MAX_BWD_TILE), bk=min(cfg.bk, MAX_BWD_TILE))
   q, k, v, aux, out, lse = res

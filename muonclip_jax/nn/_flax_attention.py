@@ -227,6 +227,19 @@ def dot_product_attention(
 
   Returns:
     ``(*batch, q_length, num_heads, v_head_dim)`` in ``dtype``.
+
+  Example:
+    >>> import flax.linen as nn
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from muonclip_jax.nn import dot_product_attention
+    >>> layer = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16,
+    ...                                         attention_fn=dot_product_attention)
+    >>> x = jnp.ones((1, 4, 16))
+    >>> params = layer.init(jax.random.key(0), x)
+    >>> y, state = layer.apply(params, x, mutable=["intermediates"])
+    >>> y.shape, state["intermediates"]["max_logits"].shape  # sown next to query/key
+    ((1, 4, 16), (2,))
   """
   del force_fp32_for_softmax  # the softmax is float32 in every case
   if impl not in ATTENTION_IMPLS:

@@ -89,6 +89,19 @@ class GroupedQueryAttention(nn.Module):
     bias_init: initializer of the biases.
     causal: deprecated spelling of ``is_causal`` (DeprecationWarning; removed in the next release).
     attention_impl: deprecated spelling of ``impl`` (DeprecationWarning; removed in the next release).
+
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from muonclip_jax.nn import GroupedQueryAttention
+    >>> attn = GroupedQueryAttention(num_heads=4, num_kv_heads=2, head_dim=8, impl="dense")
+    >>> x = jnp.ones((1, 5, 16))  # (batch, seq, dim)
+    >>> params = attn.init(jax.random.key(0), x)
+    >>> y, state = attn.apply(params, x, mutable=["intermediates"])
+    >>> y.shape, state["intermediates"]["max_logits"].shape  # one max logit per query head
+    ((1, 5, 16), (4,))
+    >>> attn.layout.num_kv_heads  # the layout qk_clip reads
+    2
   """
 
   num_heads: int

@@ -145,6 +145,20 @@ class MultiHeadLatentAttention(nn.Module):
     kernel_init: initializer of every kernel (wrapped with its logical axis names).
     causal: deprecated spelling of ``is_causal`` (DeprecationWarning; removed in the next release).
     attention_impl: deprecated spelling of ``impl`` (DeprecationWarning; removed in the next release).
+
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from muonclip_jax.nn import MultiHeadLatentAttention
+    >>> attn = MultiHeadLatentAttention(num_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4,
+    ...                                 qk_rope_head_dim=4, v_head_dim=4, impl="dense")
+    >>> x = jnp.ones((1, 5, 16))  # (batch, seq, dim)
+    >>> params = attn.init(jax.random.key(0), x)
+    >>> y, state = attn.apply(params, x, mutable=["intermediates"])
+    >>> y.shape, state["intermediates"]["max_logits"].shape
+    ((1, 5, 16), (2,))
+    >>> params["params"]["wkv_b"]["kernel"].value.shape  # (kv_lora_rank, H * (dn + dv))
+    (8, 16)
   """
 
   num_heads: int

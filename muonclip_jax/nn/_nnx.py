@@ -67,6 +67,17 @@ class MultiHeadLatentAttentionNNX(nnx.Module):
   module's docstring for capturing ``max_logits`` with ``nnx.capture``. The deprecated
   keywords ``causal`` and ``attention_impl`` (now ``is_causal`` and ``impl``) still work for
   one release, with a DeprecationWarning.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from muonclip_jax.nn import MultiHeadLatentAttentionNNX
+    >>> model = MultiHeadLatentAttentionNNX(16, num_heads=2, q_lora_rank=8, kv_lora_rank=8,
+    ...                                     qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4,
+    ...                                     impl="dense", rngs=nnx.Rngs(0))
+    >>> y, captured = nnx.capture(model, nnx.Intermediate)(jnp.ones((1, 5, 16)))
+    >>> y.shape, nnx.to_pure_dict(captured)["max_logits"].shape
+    ((1, 5, 16), (2,))
   """
 
   def __init__(
@@ -175,6 +186,16 @@ class GroupedQueryAttentionNNX(nnx.Module):
   Linen docstring and this module's docstring for capturing ``max_logits``. The deprecated
   keywords ``causal`` and ``attention_impl`` (now ``is_causal`` and ``impl``) still work for
   one release, with a DeprecationWarning.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from muonclip_jax.nn import GroupedQueryAttentionNNX
+    >>> model = GroupedQueryAttentionNNX(16, num_heads=4, num_kv_heads=2, head_dim=8, impl="dense",
+    ...                                  rngs=nnx.Rngs(0))
+    >>> y, captured = nnx.capture(model, nnx.Intermediate)(jnp.ones((1, 5, 16)))
+    >>> y.shape, nnx.to_pure_dict(captured)["max_logits"].shape
+    ((1, 5, 16), (4,))
   """
 
   def __init__(

@@ -72,16 +72,21 @@ def sow_max_logits(module: Any, logits: jax.Array, *, mask: Any = None, head_axi
     head_axis: the axis of ``logits`` that indexes heads (default -3, Flax's
       ``(..., heads, q, k)``; Gemma's ``"BTNS"`` logits: 2).
 
-  Example::
-
-    class Attention(nn.Module):
-      @nn.compact
-      def __call__(self, x):
-        q, k, v = ...                                    # (B, T, H, D)
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1])
-        mask = nn.make_causal_mask(x[..., 0])            # (B, 1, T, T)
-        muonclip_jax.nn.sow_max_logits(self, logits, mask=mask)
-        ...
+  Example:
+    >>> import flax.linen as nn
+    >>> import jax.numpy as jnp
+    >>> from muonclip_jax.nn import sow_max_logits
+    >>> class Attention(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, q, k):  # q, k: (B, T, H, D)
+    ...     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1])
+    ...     mask = nn.make_causal_mask(q[..., 0, 0])  # (B, 1, T, T)
+    ...     sow_max_logits(self, logits, mask=mask)   # before any soft-cap
+    ...     return logits
+    >>> q = k = jnp.ones((1, 3, 2, 4))
+    >>> _, state = Attention().apply({}, q, k, mutable=["intermediates"])
+    >>> state["intermediates"]["max_logits"].tolist()  # (q . k) / sqrt(4) per head
+    [2.0, 2.0]
   """
   check_module(module, "sow_max_logits")
   if capturing(module):

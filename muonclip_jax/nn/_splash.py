@@ -31,11 +31,6 @@ checked against ``dense_attention`` in interpret mode by tests/test_splash.py):
 
 On a CPU backend the kernel runs in Pallas interpret mode (slow; for tests), on TPU as
 Mosaic. Needs the optional extra ``pip install 'muonclip_jax[tokamax]'``.
-
-Example (CPU, interpret mode)::
-
-  q = k = v = jnp.ones((1, 8, 2, 8))
-  out, m = splash_attention(q, k, v, softmax_scale=0.35, causal=True, return_max_logits=True)
 """
 
 from __future__ import annotations
@@ -159,6 +154,16 @@ def splash_attention(
 
   Reverse-mode differentiable (``grad``, ``vjp``: a custom VJP around tokamax's), not
   forward mode (``jvp``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from muonclip_jax.nn import dense_attention, splash_attention
+    >>> q = k = v = jnp.linspace(-1.0, 1.0, 1 * 8 * 2 * 8).reshape(1, 8, 2, 8)
+    >>> out, m = splash_attention(q, k, v, softmax_scale=0.35, is_causal=True,
+    ...                           return_max_logits=True, interpret=True)  # Pallas interpret mode
+    >>> ref, ref_m = dense_attention(q, k, v, softmax_scale=0.35, is_causal=True, return_max_logits=True)
+    >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-5)), bool(jnp.allclose(m, ref_m))
+    ((1, 8, 2, 8), True, True)
   """
   if mask is not None:
     raise ValueError(

@@ -19,8 +19,8 @@ and 0.0.17):
 
 Both GPU kernels skip the maximum (``m = 0``) when the softmax is not stable, which
 tokamax chooses for soft-capped logits (cap <= 60); this module passes no soft cap, so
-their softmax is always stable here. Neither GPU kernel has run in this project's CI (no
-GPU): only the XLA op runs in the tests, the GPU claims rest on reading their code.
+their softmax is always stable here. The tests run the XLA op; what is said above of
+the GPU kernels rests on reading their code (benchmarks/RESULTS.md).
 The ``triton`` op rests on JAX's Pallas Triton backend, which JAX 0.12 deprecates.
 
 Masks: ``is_causal`` (bottom-right aligned) uses the op's ``is_causal`` when ``Tq == Tk``;
@@ -30,11 +30,6 @@ which costs ``B * Tq * Tk`` bytes to build. Rows without a visible key report th
 mask value (``float32 min``), converted to ``-inf``, and return zeros.
 
 Needs the optional extra ``pip install 'muonclip_jax[tokamax]'``.
-
-Example (CPU: tokamax's XLA op)::
-
-  q = k = v = jnp.ones((1, 8, 2, 8))
-  out, m = tokamax_gpu_attention(q, k, v, softmax_scale=0.35, causal=True, return_max_logits=True)
 """
 
 from __future__ import annotations
@@ -98,6 +93,16 @@ def tokamax_gpu_attention(
 
   Reverse-mode differentiable (``grad``, ``vjp``: a custom VJP around tokamax's), not
   forward mode (``jvp``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from muonclip_jax.nn import dense_attention, tokamax_gpu_attention
+    >>> q = k = v = jnp.linspace(-1.0, 1.0, 1 * 8 * 2 * 8).reshape(1, 8, 2, 8)
+    >>> out, m = tokamax_gpu_attention(q, k, v, softmax_scale=0.35, is_causal=True,
+    ...                                return_max_logits=True, implementation="xla")  # any backend
+    >>> ref, ref_m = dense_attention(q, k, v, softmax_scale=0.35, is_causal=True, return_max_logits=True)
+    >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-5)), bool(jnp.allclose(m, ref_m))
+    ((1, 8, 2, 8), True, True)
   """
   q_side, k_side = check_and_prepare(
       q, k, v, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
