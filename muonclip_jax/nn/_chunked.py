@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from .._deprecation import renamed_keywords
 from ._masking import (
     Static,
+    blocked,
     check_and_prepare,
     check_block_size,
     group,
@@ -165,12 +166,10 @@ def chunked_attention(
   )
   b, tq, h, _ = q.shape
   tk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
-  block = min(block_size, tk)
-  nb = -(-tk // block)
-  cfg = Static(float(softmax_scale), bool(is_causal), tq, tk, block, nb * block != tk)
+  cfg, nb = blocked(softmax_scale, is_causal, tq, tk, block_size)
   out, row_max = _flash(
-      cfg, group(q, hkv), to_blocks(k, 1, nb, block), to_blocks(v, 1, nb, block), q_side,
-      key_side_blocks(k_side, nb, block),
+      cfg, group(q, hkv), to_blocks(k, 1, nb, cfg.block), to_blocks(v, 1, nb, cfg.block), q_side,
+      key_side_blocks(k_side, nb, cfg.block),
   )
   out = out.reshape(b, tq, h, dv)
   return out, (grouped_head_max(row_max) if return_max_logits else None)

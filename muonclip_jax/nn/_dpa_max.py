@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from .._deprecation import renamed_keywords
 from ._masking import (
     Static,
+    blocked,
     check_and_prepare,
     check_block_size,
     dense_mask,
@@ -125,12 +126,16 @@ def dpa_max_attention(
   Example:
     >>> import jax.numpy as jnp
     >>> from muonclip_jax.nn import dense_attention, dpa_max_attention
-    >>> q = k = v = jnp.linspace(-1.0, 1.0, 2 * 6 * 2 * 4).reshape(2, 6, 2, 4)
-    >>> out, m = dpa_max_attention(q, k, v, softmax_scale=0.5, is_causal=True, block_size=4,
+    >>> q = jnp.linspace(-1.0, 1.0, 1 * 5 * 4 * 8).reshape(1, 5, 4, 8)  # 4 query heads
+    >>> k = v = jnp.cos(jnp.arange(1 * 7 * 2 * 8.0)).reshape(1, 7, 2, 8)  # 2 key/value heads
+    >>> pad = jnp.arange(7)[None, :] < 6  # the last key is padding
+    >>> out, m = dpa_max_attention(q, k, v, softmax_scale=0.35, kv_mask=pad, block_size=4,
     ...                            return_max_logits=True)
-    >>> ref, ref_m = dense_attention(q, k, v, softmax_scale=0.5, is_causal=True, return_max_logits=True)
-    >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-6)), bool(jnp.allclose(m, ref_m))
-    ((2, 6, 2, 4), True, True)
+    >>> ref, ref_m = dense_attention(q, k, v, softmax_scale=0.35, kv_mask=pad, return_max_logits=True)
+    >>> m.shape, bool(jnp.allclose(out, ref, atol=1e-6)), bool(jnp.allclose(m, ref_m))
+    ((4,), True, True)
+    >>> dpa_max_attention(q, k, v, softmax_scale=0.35)[1] is None  # no capture: no extra pass
+    True
   """
   check_block_size(block_size, "dpa_max_attention")
   q_side, k_side = check_and_prepare(
@@ -142,7 +147,5 @@ def dpa_max_attention(
   out = _backend_attention(whole, q, k, v, q_side, k_side)
   if not return_max_logits:
     return out, None
-  block = min(block_size, tk)
-  nb = -(-tk // block)
-  blocked = Static(float(softmax_scale), bool(is_causal), tq, tk, block, nb * block != tk)
-  return out, _max_only(blocked, q, k, q_side, k_side, nb)
+  cfg, nb = blocked(softmax_scale, is_causal, tq, tk, block_size)
+  return out, _max_only(cfg, q, k, q_side, k_side, nb)

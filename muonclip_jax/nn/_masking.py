@@ -55,6 +55,13 @@ class Static:
   padded: bool  # whether key positions >= tk exist and must be masked
 
 
+def blocked(softmax_scale: float, is_causal: bool, tq: int, tk: int, block_size: int) -> tuple[Static, int]:
+  """``(Static, nb)`` of a pass over ``nb`` key blocks of ``min(block_size, tk)`` keys."""
+  block = min(block_size, tk)
+  nb = -(-tk // block)
+  return Static(float(softmax_scale), bool(is_causal), tq, tk, block, nb * block != tk), nb
+
+
 def check_and_prepare(q, k, v, *, mask, q_segment_ids, kv_segment_ids, q_mask, kv_mask, name):
   """Validates shapes and returns ``(QuerySide, KeySide)`` with a 5-D pair mask."""
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
