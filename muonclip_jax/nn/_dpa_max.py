@@ -43,6 +43,7 @@ from ._masking import (
     to_blocks,
 )
 
+
 def _max_only(cfg: Static, q, k, q_side, k_side, nb: int) -> jax.Array:
   """Per-head maxima ``(H,)`` from a scan over key blocks that keeps only a running max."""
   hkv = k.shape[2]

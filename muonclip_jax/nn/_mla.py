@@ -34,6 +34,7 @@ from ._rope import YarnScaling, apply_rope
 from ._rope import softmax_scale as _softmax_scale
 from ._sow import capturing, sow_head_max
 
+
 def validate_mla(name: str, *, num_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim,
                  qk_rope_head_dim, v_head_dim, rope_interleave=False, **common) -> MLALayout:
   """Checks MLA fields with ``ValueError`` and returns the layout."""
