@@ -58,7 +58,7 @@ from muonclip_jax import nn as mnn
 
 
 def _modules(args, impl: str):
-  common = dict(attention_impl=impl, block_size=args.block_size)
+  common = dict(impl=impl, block_size=args.block_size)
   mla = mnn.MultiHeadLatentAttention(
       num_heads=args.heads, q_lora_rank=args.dim // 2, kv_lora_rank=args.dim // 4,
       qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, **common,
@@ -163,12 +163,12 @@ ACCELERATOR_SHAPES = {  # name: (query heads, key/value heads, q/k width, v widt
 }
 
 
-def _attention_step(impl: str, capture: bool, causal: bool = True, block_size: int = 512):
+def _attention_step(impl: str, capture: bool, is_causal: bool = True, block_size: int = 512):
   """jit(q, k, v) -> ((loss, maxima or 0), (dq, dk, dv)) through ``mnn.attention``."""
 
   def loss(q, k, v):
     out, m = mnn.attention(q, k, v, softmax_scale=q.shape[-1] ** -0.5, impl=impl,
-                           block_size=block_size, causal=causal, return_max_logits=capture)
+                           block_size=block_size, is_causal=is_causal, return_max_logits=capture)
     return jnp.mean(out.astype(jnp.float32) ** 2), (m if capture else jnp.zeros(()))
 
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -240,7 +240,7 @@ def tokamax_on_cpu(args) -> None:
   except ImportError:
     print("\n## tokamax on the CPU: SKIPPED (tokamax not installed: pip install 'muonclip_jax[tokamax]')")
     return
-  from muonclip_jax.nn._splash import splash_attention
+  splash_attention = mnn.splash_attention
 
   print("\n## tokamax on the CPU: equality with dense (no speed: splash runs in Pallas "
         "interpret mode here)\n")
@@ -250,7 +250,7 @@ def tokamax_on_cpu(args) -> None:
   b, t, h, hkv, d, dv = 2, 100, 4, 2, 24, 16
   rng = np.random.default_rng(0)
   seg = jnp.asarray((np.arange(t)[None] >= np.array([[t], [40]])).astype(np.int32))
-  kw = dict(softmax_scale=d ** -0.5, causal=True, q_segment_ids=seg, kv_segment_ids=seg,
+  kw = dict(softmax_scale=d ** -0.5, is_causal=True, q_segment_ids=seg, kv_segment_ids=seg,
             kv_mask=jnp.asarray(np.arange(t)[None] < np.array([[t], [t - 7]])),
             return_max_logits=True)
   for dtype in (jnp.float32, jnp.bfloat16):
@@ -266,7 +266,7 @@ def tokamax_on_cpu(args) -> None:
 
   def f(q, k, v):
     def loss(q, k, v):
-      out, m = splash_attention(q, k, v, softmax_scale=0.1, causal=True, return_max_logits=True,
+      out, m = splash_attention(q, k, v, softmax_scale=0.1, is_causal=True, return_max_logits=True,
                                 interpret=False)
       return jnp.sum(out.astype(jnp.float32)), m
     return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)

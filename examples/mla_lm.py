@@ -38,7 +38,7 @@ class LMConfig:
   qk_rope_head_dim: int = 16
   v_head_dim: int = 16
   mlp_dim: int = 256
-  attention_impl: str = "dense"
+  impl: str = "dense"  # muonclip_jax.nn.attention implementation
   dtype: Any = None
   attention: str = "mla"  # "mla" or "gqa"
   num_kv_heads: int = 2  # gqa only
@@ -91,7 +91,7 @@ class QKNormAttention(nn.Module):
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     q, k = apply_rope(q, positions), apply_rope(k, positions)
     capture = self.is_mutable_collection("intermediates")
-    out, max_logits = attention(q, k, v, softmax_scale=d**-0.5, impl=cfg.attention_impl, causal=True,
+    out, max_logits = attention(q, k, v, softmax_scale=d**-0.5, impl=cfg.impl, is_causal=True,
                                 return_max_logits=capture)
     if capture:
       self.sow("intermediates", "max_logits", max_logits,
@@ -108,7 +108,7 @@ def _attention(cfg: LMConfig) -> nn.Module:
         qk_nope_head_dim=cfg.qk_nope_head_dim,
         qk_rope_head_dim=cfg.qk_rope_head_dim,
         v_head_dim=cfg.v_head_dim,
-        attention_impl=cfg.attention_impl,
+        impl=cfg.impl,
         dtype=cfg.dtype,
         name="attn",
     )
@@ -116,7 +116,7 @@ def _attention(cfg: LMConfig) -> nn.Module:
     return QKNormAttention(cfg, name="attn")
   return GroupedQueryAttention(
       num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-      attention_impl=cfg.attention_impl, dtype=cfg.dtype, kernel_init=nn.initializers.lecun_normal(), name="attn",
+      impl=cfg.impl, dtype=cfg.dtype, kernel_init=nn.initializers.lecun_normal(), name="attn",
   )
 
 

@@ -64,3 +64,20 @@ def renamed_keywords(**old_to_new: str) -> Callable[[F], F]:
     return renamed  # type: ignore[return-value]
 
   return wrap
+
+
+def renamed_value(owner: str, old: str, new: str, *, old_value: Any, new_value: Any, new_default: Any) -> Any:
+  """The value of a renamed field or argument whose deprecated spelling ``old`` defaults to None.
+
+  ``old_value is None``: ``new_value``. Otherwise a DeprecationWarning (attributed to the
+  user's line) and ``old_value``. Both spellings with different values is a TypeError;
+  ``new_value`` counts as given when it differs from ``new_default`` (a dataclass field
+  cannot tell a default from an explicit equal value).
+  """
+  if old_value is None:
+    return new_value
+  if new_value != new_default and new_value != old_value:
+    raise TypeError(f"{owner}: got both {old!r} (deprecated) = {old_value!r} and {new!r} = {new_value!r}; "
+                    f"pass only {new!r}")
+  warn_renamed(owner, old, new)
+  return old_value

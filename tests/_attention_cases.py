@@ -40,19 +40,19 @@ def masks(kind: str, tq: int, tk: int) -> dict:
   padding = dict(q_mask=q_mask, kv_mask=kv_mask)
   return {
       "none": {},
-      "causal": dict(causal=True),
-      "segments": dict(causal=True, **segments),
-      "padding": dict(causal=True, **padding),
-      "all": dict(causal=True, **segments, **padding),
+      "causal": dict(is_causal=True),
+      "segments": dict(is_causal=True, **segments),
+      "padding": dict(is_causal=True, **padding),
+      "all": dict(is_causal=True, **segments, **padding),
       "bidirectional_padding": dict(**segments, **padding),
   }[kind]
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "causal", "block"))
-def _run(q, k, v, arrays, *, impl, causal, block):
+@functools.partial(jax.jit, static_argnames=("impl", "is_causal", "block"))
+def _run(q, k, v, arrays, *, impl, is_causal, block):
   def loss(q, k, v):
     out, m = mnn.attention(
-        q, k, v, softmax_scale=SCALE, impl=impl, block_size=block, causal=causal,
+        q, k, v, softmax_scale=SCALE, impl=impl, block_size=block, is_causal=is_causal,
         return_max_logits=True, **arrays,
     )
     w = jnp.cos(jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape))
@@ -64,8 +64,8 @@ def _run(q, k, v, arrays, *, impl, causal, block):
 def value_and_grad(q, k, v, kw: dict, impl: str, block: int = BLOCK):
   """``((loss, (out, max_logits)), (dq, dk, dv))`` of a fixed weighted sum of the output."""
   kw = dict(kw)
-  causal = kw.pop("causal", False)
-  return _run(q, k, v, kw, impl=impl, causal=causal, block=block)
+  is_causal = kw.pop("is_causal", False)
+  return _run(q, k, v, kw, impl=impl, is_causal=is_causal, block=block)
 
 
 def assert_matches_dense(q, k, v, kw: dict, impl: str, block: int = BLOCK) -> None:

@@ -75,7 +75,7 @@ def allowed_pairs(
     tq: int,
     tk: int,
     *,
-    causal: bool = False,
+    is_causal: bool = False,
     q_segment_ids=None,
     kv_segment_ids=None,
     q_mask=None,
@@ -89,7 +89,7 @@ def allowed_pairs(
       for i in range(tq):
         for j in range(tk):
           ok = True
-          if causal and j > i + (tk - tq):
+          if is_causal and j > i + (tk - tq):
             ok = False
           if q_segment_ids is not None and q_segment_ids[b, i] != kv_segment_ids[b, j]:
             ok = False

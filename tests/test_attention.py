@@ -41,16 +41,16 @@ def _masks(kind, tq, tk):
   if kind == "none":
     return {}
   if kind == "causal":
-    return dict(causal=True)
+    return dict(is_causal=True)
   if kind == "padding":
-    return dict(causal=True, q_mask=qpad, kv_mask=pad)
+    return dict(is_causal=True, q_mask=qpad, kv_mask=pad)
   if kind == "segments":
-    return dict(causal=True, q_segment_ids=segq, kv_segment_ids=segk)
+    return dict(is_causal=True, q_segment_ids=segq, kv_segment_ids=segk)
   if kind == "head_mask":
     return dict(mask=head)
   if kind == "all":
     return dict(
-        causal=True, q_mask=qpad, kv_mask=pad, q_segment_ids=segq, kv_segment_ids=segk, mask=head
+        is_causal=True, q_mask=qpad, kv_mask=pad, q_segment_ids=segq, kv_segment_ids=segk, mask=head
     )
   raise ValueError(kind)
 
@@ -65,19 +65,19 @@ def _jnp(masks):
   return {k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in masks.items()}
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "block", "causal"))
-def _forward(q, k, v, masks, *, impl="dense", block=8, causal=False):
+@functools.partial(jax.jit, static_argnames=("impl", "block", "is_causal"))
+def _forward(q, k, v, masks, *, impl="dense", block=8, is_causal=False):
   return mnn.attention(
-      q, k, v, softmax_scale=SCALE, impl=impl, block_size=block, causal=causal,
+      q, k, v, softmax_scale=SCALE, impl=impl, block_size=block, is_causal=is_causal,
       return_max_logits=True, **masks,
   )
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "block", "causal"))
-def _value_and_grad(q, k, v, masks, *, impl, block=8, causal=False):
+@functools.partial(jax.jit, static_argnames=("impl", "block", "is_causal"))
+def _value_and_grad(q, k, v, masks, *, impl, block=8, is_causal=False):
   def loss(q, k, v):
     out, m = mnn.attention(
-        q, k, v, softmax_scale=SCALE, impl=impl, block_size=block, causal=causal,
+        q, k, v, softmax_scale=SCALE, impl=impl, block_size=block, is_causal=is_causal,
         return_max_logits=True, **masks,
     )
     w = jnp.cos(jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape))
@@ -89,8 +89,8 @@ def _value_and_grad(q, k, v, masks, *, impl, block=8, causal=False):
 def _split(masks):
   """(jnp mask arrays, causal flag) from a ``_masks`` dict."""
   masks = dict(masks)
-  causal = masks.pop("causal", False)
-  return _jnp(masks), causal
+  is_causal = masks.pop("is_causal", False)
+  return _jnp(masks), is_causal
 
 
 class TestDense:
@@ -99,8 +99,8 @@ class TestDense:
   def test_matches_numpy(self, kind):
     q, k, v = _qkv(7)
     masks = _masks(kind, 7, 7)
-    arrays, causal = _split(masks)
-    out, max_logits = _forward(q, k, v, arrays, causal=causal)
+    arrays, is_causal = _split(masks)
+    out, max_logits = _forward(q, k, v, arrays, is_causal=is_causal)
     ref_out, ref_max = _reference(q, k, v, masks)
     chex.assert_trees_all_close(out, ref_out.astype(np.float32), atol=1e-5, rtol=1e-5)
     chex.assert_trees_all_close(max_logits, ref_max.astype(np.float32), atol=1e-5, rtol=1e-5)
@@ -122,9 +122,9 @@ class TestChunked:
   @pytest.mark.parametrize("t,kind", [(1, "all"), (13, "all"), (21, "causal")])
   def test_matches_dense(self, t, kind):
     q, k, v = _qkv(t, seed=t)
-    masks, causal = _split(_masks(kind, t, t))
-    (_, (out_d, max_d)), grads_d = _value_and_grad(q, k, v, masks, impl="dense", causal=causal)
-    (_, (out_c, max_c)), grads_c = _value_and_grad(q, k, v, masks, impl="chunked", causal=causal)
+    masks, is_causal = _split(_masks(kind, t, t))
+    (_, (out_d, max_d)), grads_d = _value_and_grad(q, k, v, masks, impl="dense", is_causal=is_causal)
+    (_, (out_c, max_c)), grads_c = _value_and_grad(q, k, v, masks, impl="chunked", is_causal=is_causal)
     chex.assert_trees_all_close(out_c, out_d, atol=1e-5, rtol=1e-5)
     chex.assert_trees_all_close(grads_c, grads_d, atol=1e-5, rtol=1e-5)
     chex.assert_trees_all_equal(max_c, max_d)  # the same products, max is exact
@@ -134,11 +134,11 @@ class TestChunked:
   def test_cross_lengths_and_mha(self):
     """Tq != Tk (causal is bottom-right aligned: query i sees keys j <= i + Tk - Tq), MHA."""
     q, k, v = _qkv(6, 11, h=3, hkv=3)
-    (_, (out_d, max_d)), grads_d = _value_and_grad(q, k, v, {}, impl="dense", causal=True)
+    (_, (out_d, max_d)), grads_d = _value_and_grad(q, k, v, {}, impl="dense", is_causal=True)
     (_, (out_c, max_c)), grads_c = _value_and_grad(
-        q, k, v, {}, impl="chunked", block=4, causal=True
+        q, k, v, {}, impl="chunked", block=4, is_causal=True
     )
-    ref_out, ref_max = _reference(q, k, v, dict(causal=True))
+    ref_out, ref_max = _reference(q, k, v, dict(is_causal=True))
     chex.assert_trees_all_close(out_d, ref_out.astype(np.float32), atol=1e-5)
     chex.assert_trees_all_close(max_d, ref_max.astype(np.float32), atol=1e-5)
     chex.assert_trees_all_close((out_c, grads_c), (out_d, grads_d), atol=1e-5, rtol=1e-5)
@@ -148,15 +148,15 @@ class TestChunked:
   @given(
       t=st.integers(1, 20),
       block=st.integers(1, 9),
-      causal=st.booleans(),
+      is_causal=st.booleans(),
       pad=st.integers(0, 5),
   )
-  def test_property_matches_reference(self, t, block, causal, pad):
+  def test_property_matches_reference(self, t, block, is_causal, pad):
     q, k, v = _qkv(t, seed=3)
     kv_mask = np.arange(t)[None, :] < np.array([[t], [max(t - pad, 0)]])
-    masks = dict(causal=causal, kv_mask=kv_mask)
+    masks = dict(is_causal=is_causal, kv_mask=kv_mask)
     out, m = _forward(
-        q, k, v, _jnp(dict(kv_mask=kv_mask)), impl="chunked", block=block, causal=causal
+        q, k, v, _jnp(dict(kv_mask=kv_mask)), impl="chunked", block=block, is_causal=is_causal
     )
     ref_out, ref_max = _reference(q, k, v, masks)
     chex.assert_trees_all_close(out, ref_out.astype(np.float32), atol=1e-5, rtol=1e-5)
@@ -171,7 +171,7 @@ class TestChunked:
     def temp_bytes(impl):
       def loss(q, k, v):
         out, _ = mnn.attention(
-            q, k, v, softmax_scale=SCALE, impl=impl, block_size=block, causal=True,
+            q, k, v, softmax_scale=SCALE, impl=impl, block_size=block, is_causal=True,
             return_max_logits=True,
         )
         return jnp.sum(out)
@@ -208,7 +208,7 @@ def test_capture_does_not_change_gradients(impl):
 
   def loss(capture):
     def f(q, k, v):
-      out, _ = mnn.attention(q, k, v, softmax_scale=SCALE, impl=impl, block_size=4, causal=True,
+      out, _ = mnn.attention(q, k, v, softmax_scale=SCALE, impl=impl, block_size=4, is_causal=True,
                              return_max_logits=capture)
       return jnp.sum(jnp.sin(out))
     return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
@@ -225,7 +225,7 @@ def test_capture_adds_no_pass_over_the_logits(impl):
   def cost(capture):
     def loss(q, k, v):
       out, m = mnn.attention(q, k, v, softmax_scale=SCALE, impl=impl, block_size=64,
-                             causal=True, return_max_logits=capture)
+                             is_causal=True, return_max_logits=capture)
       return jnp.sum(out), m
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -237,9 +237,9 @@ def test_capture_adds_no_pass_over_the_logits(impl):
 @pytest.mark.parametrize("impl", ["dense", "chunked"])
 def test_bf16_inputs_report_float32(impl):
   q, k, v = _qkv(10, dtype=jnp.bfloat16)
-  out, m = _forward(q, k, v, {}, impl=impl, block=4, causal=True)
+  out, m = _forward(q, k, v, {}, impl=impl, block=4, is_causal=True)
   assert out.dtype == jnp.bfloat16 and m.dtype == jnp.float32
-  _, ref_max = _reference(q.astype(jnp.float32), k.astype(jnp.float32), v, dict(causal=True))
+  _, ref_max = _reference(q.astype(jnp.float32), k.astype(jnp.float32), v, dict(is_causal=True))
   # The maxima are float32 products of the bf16 inputs.
   chex.assert_trees_all_close(m, ref_max.astype(np.float32), rtol=1e-5, atol=1e-5)
 
@@ -259,7 +259,7 @@ def test_single_trace_under_jit():
   @chex.assert_max_traces(n=1)
   def f(q, k, v):
     return mnn.chunked_attention(
-        q, k, v, softmax_scale=SCALE, block_size=4, causal=True, return_max_logits=True
+        q, k, v, softmax_scale=SCALE, block_size=4, is_causal=True, return_max_logits=True
     )
 
   f(q, k, v)
@@ -347,10 +347,10 @@ class VariantsTest(chex.TestCase):
   def test_variants(self, impl):
     q, k, v = _qkv(6)
     fn = self.variant(functools.partial(
-        mnn.attention, softmax_scale=SCALE, impl=impl, block_size=4, causal=True,
+        mnn.attention, softmax_scale=SCALE, impl=impl, block_size=4, is_causal=True,
         return_max_logits=True,
     ))
     out, m = fn(q, k, v)
-    ref_out, ref_max = _reference(q, k, v, dict(causal=True))
+    ref_out, ref_max = _reference(q, k, v, dict(is_causal=True))
     chex.assert_trees_all_close(out, ref_out.astype(np.float32), atol=1e-5)
     chex.assert_trees_all_close(m, ref_max.astype(np.float32), atol=1e-5)

@@ -119,11 +119,11 @@ def test_logits_soft_cap_softmax_reads_capped_capture_counts_pre_cap():
   causal = np.tril(np.ones((6, 6), bool))[None, None]
   want_out, want_max = _np_attention(q, k, v, 8 ** -0.5, cap, mask=causal)
   assert (want_max > cap).all()  # the cap would hide these
-  out, got_max = jax.jit(lambda *a: attention(*a, softmax_scale=8 ** -0.5, causal=True, logits_soft_cap=cap,
+  out, got_max = jax.jit(lambda *a: attention(*a, softmax_scale=8 ** -0.5, is_causal=True, logits_soft_cap=cap,
                                               return_max_logits=True))(q, k, v)
   np.testing.assert_allclose(out, want_out, rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(got_max, want_max, rtol=1e-5)
-  grads = jax.grad(lambda x: attention(x, k, v, softmax_scale=0.35, causal=True, logits_soft_cap=cap)[0].sum())(q)
+  grads = jax.grad(lambda x: attention(x, k, v, softmax_scale=0.35, is_causal=True, logits_soft_cap=cap)[0].sum())(q)
   assert np.isfinite(grads).all()
   # the drop-in, through attention() and through the bias path, on a Linen module
   bias = _normal(7, 1, 2, 6, 6)

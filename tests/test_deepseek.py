@@ -265,8 +265,8 @@ def test_config_constructor_deepseek_v3_and_kimi_k2():
   assert m.rope_theta == 10000.0 and m.rope_interleave is True
   assert m.yarn == mnn.YarnScaling(40.0, 4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0)
   assert m.softmax_scale == pytest.approx(192**-0.5 * (0.1 * math.log(40) + 1) ** 2)
-  k2 = mnn.mla_from_hf_config(KIMI_K2, attention_impl="chunked")
-  assert k2.num_heads == 64 and k2.rope_theta == 50000.0 and k2.attention_impl == "chunked"
+  k2 = mnn.mla_from_hf_config(KIMI_K2, impl="chunked")
+  assert k2.num_heads == 64 and k2.rope_theta == 50000.0 and k2.impl == "chunked"
   assert k2.yarn == mnn.YarnScaling(64.0, 4096, beta_fast=1.0, beta_slow=1.0, mscale=1.0)
   # YaRN as the reference switches it: only when max length > original length.
   short = dict(DEEPSEEK_V3, max_position_embeddings=4096)

@@ -49,7 +49,7 @@ def test_fully_masked_rows_and_heads():
   """Rows without keys give zeros and zero gradients; heads without pairs report -inf."""
   q, k, v = cases.qkv(20, 12)  # causal, Tq > Tk: the first 8 queries see no key
   kv_mask = jnp.zeros((cases.B, 12), bool).at[0, :5].set(True)  # batch 1 sees nothing
-  (_, (out, m)), grads = cases.value_and_grad(q, k, v, dict(causal=True, kv_mask=kv_mask),
+  (_, (out, m)), grads = cases.value_and_grad(q, k, v, dict(is_causal=True, kv_mask=kv_mask),
                                               "pallas")
   assert np.isfinite(np.asarray(out)).all()
   chex.assert_trees_all_equal(out[1], jnp.zeros_like(out[1]))
@@ -60,7 +60,7 @@ def test_fully_masked_rows_and_heads():
     assert np.isfinite(np.asarray(g)).all()
   chex.assert_trees_all_equal(grads[0][1], jnp.zeros_like(grads[0][1]))
   chex.assert_trees_all_equal(grads[0][0, :8], jnp.zeros_like(grads[0][0, :8]))
-  cases.assert_matches_dense(q, k, v, dict(causal=True, kv_mask=kv_mask), "pallas")
+  cases.assert_matches_dense(q, k, v, dict(is_causal=True, kv_mask=kv_mask), "pallas")
 
   nothing = jnp.zeros((cases.B, 12), bool)  # no head has an unmasked key
   (_, (out, m)), grads = cases.value_and_grad(q, k, v, dict(kv_mask=nothing), "pallas")
@@ -100,7 +100,7 @@ def test_fused_path_makes_no_second_qk_pass(impl):
 
   def jaxpr(capture):
     f = lambda q, k, v: mnn.attention(
-        q, k, v, softmax_scale=cases.SCALE, impl=impl, block_size=cases.BLOCK, causal=True,
+        q, k, v, softmax_scale=cases.SCALE, impl=impl, block_size=cases.BLOCK, is_causal=True,
         return_max_logits=capture,
     )
     return jax.make_jaxpr(f)(q, k, v).jaxpr
@@ -124,7 +124,7 @@ def test_capture_does_not_change_gradients():
   def grads(capture):
     def loss(q, k, v):
       out, _ = mnn.attention(q, k, v, softmax_scale=cases.SCALE, impl="pallas",
-                             block_size=cases.BLOCK, causal=True, return_max_logits=capture)
+                             block_size=cases.BLOCK, is_causal=True, return_max_logits=capture)
       return jnp.sum(jnp.sin(out))
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
@@ -199,7 +199,7 @@ def test_lowers_to_triton_for_cuda(shapes, dtype, masked, block_size):
   """Pallas -> Triton IR lowering of all three kernels (the GPU compile itself is not run)."""
   pytest.importorskip("jax._src.lib.triton")
   b, tq, tk = shapes[0][0], shapes[0][1], shapes[1][1]
-  kw = dict(causal=True)
+  kw = dict(is_causal=True)
   if masked:
     seg = lambda t: jnp.zeros((b, t), jnp.int32)
     kw.update(q_segment_ids=seg(tq), kv_segment_ids=seg(tk), q_mask=jnp.ones((b, tq), bool),
@@ -227,7 +227,7 @@ class _Stack(nn.Module):
     class Layer(nn.Module):
       @nn.compact
       def __call__(self, x, _):
-        attn = mnn.GroupedQueryAttention(**GQA, attention_impl=impl, name="attn")
+        attn = mnn.GroupedQueryAttention(**GQA, impl=impl, name="attn")
         return x + attn(x, segment_ids=segment_ids, padding_mask=padding_mask), None
 
     scanned = nn.scan(Layer, variable_axes={"params": 0, "intermediates": 0},
@@ -243,7 +243,7 @@ def test_modules_sow_the_same_maxima_with_every_impl(name):
   segment_ids = jnp.asarray((np.arange(t)[None] >= np.array([[t], [9]])).astype(np.int32))
   padding_mask = jnp.asarray(np.arange(t)[None] < np.array([[t], [t - 4]]))
   if name == "MLA":
-    make = lambda impl: mnn.MultiHeadLatentAttention(**MLA, attention_impl=impl)
+    make = lambda impl: mnn.MultiHeadLatentAttention(**MLA, impl=impl)
   else:
     make = lambda impl: _Stack(impl)
   kw = dict(segment_ids=segment_ids, padding_mask=padding_mask)

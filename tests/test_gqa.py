@@ -87,7 +87,7 @@ CASES = {
     "gqa_causal": (GQA, "causal"),
     "gqa_bias_padding": (dict(GQA, qkv_bias=True), "padding"),
     "mha_segments": (MHA, "segments"),
-    "mha_norope_headmask": (dict(MHA, use_rope=False, causal=False), "head_mask"),
+    "mha_norope_headmask": (dict(MHA, use_rope=False, is_causal=False), "head_mask"),
     "gqa_yarn": (dict(GQA, yarn=mnn.YarnScaling(4.0, 4)), "causal"),
 }
 
@@ -99,15 +99,15 @@ def test_matches_numpy_reference(case):
   x = _x(scale=2.0)
   variables = _init(module, x)
   positions = np.broadcast_to(np.arange(T), (2, T))
-  call_kw, mask_kw = {}, dict(causal=True)
+  call_kw, mask_kw = {}, dict(is_causal=True)
   if kind == "padding":
     pad = np.arange(T)[None, :] < np.array([[T], [T - 3]])
     call_kw = dict(padding_mask=jnp.asarray(pad))
-    mask_kw = dict(causal=True, q_mask=pad, kv_mask=pad)
+    mask_kw = dict(is_causal=True, q_mask=pad, kv_mask=pad)
   elif kind == "segments":
     seg = (np.arange(T)[None, :] >= np.array([[2], [T]])).astype(np.int32)
     call_kw = dict(segment_ids=jnp.asarray(seg))
-    mask_kw = dict(causal=True, q_segment_ids=seg, kv_segment_ids=seg)
+    mask_kw = dict(is_causal=True, q_segment_ids=seg, kv_segment_ids=seg)
   elif kind == "head_mask":
     mask = np.ones((1, 4, T, T), bool)
     mask[0, 3] = False  # head 3 attends nowhere: -inf, zero output
@@ -130,7 +130,7 @@ def test_matches_numpy_reference(case):
 def test_dense_and_chunked_agree(t):
   x = _x(t=t, seed=t)
   dense = mnn.GroupedQueryAttention(**GQA, qkv_bias=True)
-  chunked = mnn.GroupedQueryAttention(**GQA, qkv_bias=True, attention_impl="chunked", block_size=8)
+  chunked = mnn.GroupedQueryAttention(**GQA, qkv_bias=True, impl="chunked", block_size=8)
   params = _init(dense, x)["params"]
   (l_d, m_d), g_d = _loss_grad(dense, True)(params, x)
   (l_c, m_c), g_c = _loss_grad(chunked, True)(params, x)
@@ -188,7 +188,7 @@ def test_validation():
       (dict(num_kv_heads=3), "divide"),
       (dict(num_heads=0), "num_heads"),
       (dict(head_dim=7), "even"),
-      (dict(attention_impl="flash"), "attention_impl"),
+      (dict(impl="flash"), "impl"),
       (dict(block_size=-1), "block_size"),
       (dict(clip_mode="key"), "clip_mode"),
   ]

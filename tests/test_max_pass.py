@@ -41,7 +41,7 @@ def test_explicit_mask_matches_dense():
   q, k, v = cases.qkv(13)
   mask = jnp.asarray(np.random.default_rng(5).random((cases.B, cases.H, 13, 13)) < 0.6)
   mask = mask.at[:, 1].set(False)  # head 1 sees nothing
-  cases.assert_matches_dense(q, k, v, dict(causal=True, mask=mask), "dpa_max")
+  cases.assert_matches_dense(q, k, v, dict(is_causal=True, mask=mask), "dpa_max")
   (_, (out, m)), grads = cases.value_and_grad(q, k, v, dict(mask=mask), "dpa_max")
   assert m[1] == -jnp.inf and np.isfinite(np.asarray(m)[[0, 2, 3]]).all()
   chex.assert_trees_all_equal(out[:, :, 1], jnp.zeros_like(out[:, :, 1]))
@@ -73,7 +73,7 @@ def test_max_pass_has_no_gradient_and_is_memory_bounded():
 
   def maxima(q, k, v):  # the attention output is unused: XLA keeps only the max pass
     return mnn.attention(q, k, v, softmax_scale=cases.SCALE, impl="dpa_max", block_size=block,
-                         causal=True, return_max_logits=True)[1]
+                         is_causal=True, return_max_logits=True)[1]
 
   logits_bytes = cases.B * 2 * t * t * 4
   temp = jax.jit(maxima).lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
@@ -84,7 +84,7 @@ def test_max_pass_has_no_gradient_and_is_memory_bounded():
 
 def test_without_capture_is_plain_dot_product_attention():
   q, k, v = cases.qkv(12, h=2, hkv=2, d=8, dv=8)
-  out, none = mnn.attention(q, k, v, softmax_scale=cases.SCALE, impl="dpa_max", causal=True)
+  out, none = mnn.attention(q, k, v, softmax_scale=cases.SCALE, impl="dpa_max", is_causal=True)
   assert none is None
   expected = jax.nn.dot_product_attention(q, k, v, scale=cases.SCALE, is_causal=True)
   chex.assert_trees_all_equal(out, expected)

@@ -110,7 +110,7 @@ CASES = {
     "lora_padding": (CFG, "padding"),
     "nolora_segments_positions": (CFG_NO_LORA, "segments"),
     "lora_yarn_bidirectional": (
-        dict(CFG, causal=False, yarn=mnn.YarnScaling(8.0, 4)), "bidirectional"
+        dict(CFG, is_causal=False, yarn=mnn.YarnScaling(8.0, 4)), "bidirectional"
     ),
 }
 
@@ -120,14 +120,14 @@ def _call_masks(kind, b, t):
   positions = np.broadcast_to(np.arange(t), (b, t))
   if kind == "padding":
     pad = np.arange(t)[None, :] < np.array([[t], [t - 3]])
-    mask_kw = dict(causal=True, q_mask=pad, kv_mask=pad)
+    mask_kw = dict(is_causal=True, q_mask=pad, kv_mask=pad)
     return dict(padding_mask=jnp.asarray(pad)), positions, mask_kw
   if kind == "segments":
     seg = (np.arange(t)[None, :] >= np.array([[3], [t]])).astype(np.int32)
     pos = np.where(seg == 1, np.arange(t) - 3, np.arange(t))  # positions restart per segment
     kw = dict(segment_ids=jnp.asarray(seg), positions=jnp.asarray(pos, jnp.int32))
-    return kw, pos, dict(causal=True, q_segment_ids=seg, kv_segment_ids=seg)
-  return {}, positions, dict(causal=kind == "causal")
+    return kw, pos, dict(is_causal=True, q_segment_ids=seg, kv_segment_ids=seg)
+  return {}, positions, dict(is_causal=kind == "causal")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -171,7 +171,7 @@ def test_masked_positions_never_count():
 def test_dense_and_chunked_agree(t):
   x = _x(t=t, seed=t)
   dense = mnn.MultiHeadLatentAttention(**CFG)
-  chunked = mnn.MultiHeadLatentAttention(**CFG, attention_impl="chunked", block_size=8)
+  chunked = mnn.MultiHeadLatentAttention(**CFG, impl="chunked", block_size=8)
   params = _init(dense, x)["params"]
   (l_d, m_d), g_d = _loss_grad(dense, True)(params, x)
   (l_c, m_c), g_c = _loss_grad(chunked, True)(params, x)
@@ -199,7 +199,7 @@ def _count_reduce_max(fn, *args):
 
 @pytest.mark.parametrize("impl", ["dense", "chunked"])
 def test_nothing_computed_when_not_mutable(impl):
-  module = mnn.MultiHeadLatentAttention(**CFG, attention_impl=impl, block_size=4)
+  module = mnn.MultiHeadLatentAttention(**CFG, impl=impl, block_size=4)
   x = _x()
   variables = _init(module, x)
   out = jax.eval_shape(module.apply, variables, x)
@@ -238,7 +238,7 @@ class _Layer(nn.Module):
 
   @nn.compact
   def __call__(self, x, _):
-    attn = mnn.MultiHeadLatentAttention(**CFG, attention_impl=self.impl, block_size=4, name="attn")
+    attn = mnn.MultiHeadLatentAttention(**CFG, impl=self.impl, block_size=4, name="attn")
     return x + attn(x), None
 
 
@@ -305,7 +305,7 @@ def test_validation():
       (dict(kv_lora_rank=0), "kv_lora_rank"),
       (dict(qk_rope_head_dim=3), "even"),
       (dict(qk_nope_head_dim=0, qk_rope_head_dim=0), "qk_nope_head_dim"),
-      (dict(attention_impl="flash"), "attention_impl"),
+      (dict(impl="flash"), "impl"),
       (dict(block_size=0), "block_size"),
       (dict(rope_theta=1.0), "rope_theta"),
       (dict(yarn=(4.0, 4096)), "yarn"),

@@ -110,7 +110,7 @@ def test_soft_cap():
   q, k, v = cases.qkv(10, seed=5)
   q = q * 4.0  # logits well beyond the cap
   cap = 2.0
-  out, m = jax.jit(functools.partial(splash_attention, softmax_scale=cases.SCALE, causal=True,
+  out, m = jax.jit(functools.partial(splash_attention, softmax_scale=cases.SCALE, is_causal=True,
                                      logits_soft_cap=cap))(q, k, v)
   assert m is None
   allowed = np.tril(np.ones((10, 10), bool))[None, None]
@@ -124,15 +124,15 @@ def test_validation_and_missing_extra(monkeypatch):
   with pytest.raises(ValueError, match="explicit boolean `mask`.*static"):
     mnn.attention(q, k, v, softmax_scale=1.0, impl="splash", mask=jnp.ones((1, 1, 8, 8), bool))
   with pytest.raises(ValueError, match=r"causal with Tq 8 > Tk 4 leaves query row 0 .*chunked"):
-    splash_attention(q, k[:, :4], v[:, :4], softmax_scale=1.0, causal=True)
+    splash_attention(q, k[:, :4], v[:, :4], softmax_scale=1.0, is_causal=True)
   with pytest.raises(ValueError, match=r"window=\(0, 0\) leaves query row 0 "):  # offset -4
     splash_attention(q, k[:, :4], v[:, :4], softmax_scale=1.0, window=(0, 0))
   from muonclip_jax.nn._splash import _first_static_empty_row as first_empty
 
-  assert first_empty(128, 128, causal=True, window=None, offset=0) is None
-  assert first_empty(128, 128, causal=False, window=(3, 1), offset=0) is None
-  assert first_empty(256, 128, causal=False, window=(2, 2), offset=0) == 130  # a padded row
-  assert first_empty(128, 256, causal=True, window=(1, None), offset=5) is None
+  assert first_empty(128, 128, is_causal=True, window=None, offset=0) is None
+  assert first_empty(128, 128, is_causal=False, window=(3, 1), offset=0) is None
+  assert first_empty(256, 128, is_causal=False, window=(2, 2), offset=0) == 130  # a padded row
+  assert first_empty(128, 256, is_causal=True, window=(1, None), offset=5) is None
   with pytest.raises(ValueError, match="window"):
     splash_attention(q, k, v, softmax_scale=1.0, window=(-1, 0))
   from muonclip_jax.nn._splash import _default_interpret
@@ -156,7 +156,7 @@ def test_lowers_to_mosaic_for_tpu():
 
   def f(q, k, v, sq, sk):
     def loss(q, k, v):
-      out, m = splash_attention(q, k, v, softmax_scale=0.1, causal=True, q_segment_ids=sq,
+      out, m = splash_attention(q, k, v, softmax_scale=0.1, is_causal=True, q_segment_ids=sq,
                                 kv_segment_ids=sk, return_max_logits=True, interpret=False)
       return jnp.sum(out.astype(jnp.float32)), m
     return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
@@ -180,11 +180,11 @@ def test_modules_and_drop_in_sow_the_same_maxima():
   pad = jnp.asarray(np.arange(t)[None] < np.array([[t], [t - 3]]))
   kw = dict(segment_ids=seg, padding_mask=pad)
   gqa = lambda impl: mnn.GroupedQueryAttention(num_heads=4, num_kv_heads=2, head_dim=8,
-                                               attention_impl=impl)
+                                               impl=impl)
   mla = lambda impl: mnn.MultiHeadLatentAttention(
       num_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8,
-      v_head_dim=8, attention_impl=impl)
-  assert mnn.GroupedQueryAttention(num_heads=2, num_kv_heads=1, head_dim=8).attention_impl == "auto"
+      v_head_dim=8, impl=impl)
+  assert mnn.GroupedQueryAttention(num_heads=2, num_kv_heads=1, head_dim=8).impl == "auto"
   for make in (gqa, mla):
     params = make("dense").init(jax.random.key(0), x, **kw)
     run = lambda impl: jax.jit(functools.partial(make(impl).apply, mutable=["intermediates"]))(
@@ -197,9 +197,9 @@ def test_modules_and_drop_in_sow_the_same_maxima():
     assert np.isfinite(np.asarray(jax.tree.leaves(s_d)[0])).all()
 
   model = mnn.GroupedQueryAttentionNNX(dim, num_heads=4, num_kv_heads=2, head_dim=8,
-                                       attention_impl="splash", rngs=nnx.Rngs(0))
+                                       impl="splash", rngs=nnx.Rngs(0))
   y, inter = nnx.capture(model, nnx.Intermediate)(x, **kw)
-  model.attention_impl = "dense"
+  model.impl = "dense"
   y_d, inter_d = nnx.capture(model, nnx.Intermediate)(x, **kw)
   chex.assert_trees_all_close(y, y_d, atol=1e-5)
   chex.assert_trees_all_close(jax.tree.leaves(inter), jax.tree.leaves(inter_d), rtol=1e-6)

@@ -12,7 +12,8 @@ import pytest
 
 import _attention_cases as cases
 from muonclip_jax.nn import _auto
-from muonclip_jax.nn._residual_max import LOG2E, head_max, row_max_from_residual
+from muonclip_jax.nn._masking import head_max
+from muonclip_jax.nn._residual_max import LOG2E, row_max_from_residual
 
 
 def test_residual_conversions_match_numpy():
@@ -50,7 +51,7 @@ def test_auto_resolution_and_fallback_logs(monkeypatch, caplog):
   assert _auto.resolve_impl(q, k, v, backend="gpu") == "tokamax_gpu"
   with caplog.at_level(logging.WARNING, logger="muonclip_jax"):
     assert _auto.resolve_impl(q, k, v, mask=jnp.ones((1, 1, 8, 6), bool), backend="tpu") == "chunked"
-    assert _auto.resolve_impl(q, k, v, causal=True, backend="tpu") == "chunked"  # Tq > Tk
+    assert _auto.resolve_impl(q, k, v, is_causal=True, backend="tpu") == "chunked"  # Tq > Tk
     has(False)
     assert _auto.resolve_impl(q, k, v, backend="tpu") == "chunked"
     assert _auto.resolve_impl(q, k, v, backend="gpu") == "dpa_max"

@@ -28,16 +28,16 @@ the one before the cap.
 
 from ._attention import ATTENTION_IMPLS as ATTENTION_IMPLS
 from ._attention import attention as attention
-from ._attention import chunked_attention as chunked_attention
-from ._attention import dense_attention as dense_attention
+from ._chunked import chunked_attention as chunked_attention
 from ._deepseek import load_hf_mla_params as load_hf_mla_params
 from ._deepseek import mla_from_hf_config as mla_from_hf_config
 from ._deepseek import mla_nnx_from_hf_config as mla_nnx_from_hf_config
+from ._dense import dense_attention as dense_attention
+from ._dpa_max import dpa_max_attention as dpa_max_attention
 from ._flash_pallas import pallas_attention as pallas_attention
 from ._flax_attention import dot_product_attention as dot_product_attention
 from ._flax_weights import dot_product_attention_weights as dot_product_attention_weights
 from ._gqa import GroupedQueryAttention as GroupedQueryAttention
-from ._max_pass import dpa_max_attention as dpa_max_attention
 from ._mla import MultiHeadLatentAttention as MultiHeadLatentAttention
 from ._nnx import GroupedQueryAttentionNNX as GroupedQueryAttentionNNX
 from ._nnx import MultiHeadLatentAttentionNNX as MultiHeadLatentAttentionNNX

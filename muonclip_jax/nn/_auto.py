@@ -2,7 +2,7 @@
 
 * TPU: ``"splash"`` (tokamax's splash kernel, fused capture). Falls back to
   ``"chunked"`` when tokamax is not installed, when an explicit ``(B, H, Tq, Tk)`` mask
-  is given (splash's masks are static), or for ``causal`` with ``Tq > Tk``.
+  is given (splash's masks are static), or for ``is_causal`` with ``Tq > Tk``.
 * GPU: ``"tokamax_gpu"`` (Mosaic GPU on SM90/SM100, else Triton; fused capture). Falls
   back to ``"dpa_max"`` (``jax.nn.dot_product_attention`` plus a max-only pass) when
   tokamax is not installed.
@@ -30,7 +30,7 @@ def _log_fallback(chosen: str, reason: str) -> None:
   logger.warning("attention(impl='auto'): using impl=%r because %s", chosen, reason)
 
 
-def resolve_impl(q, k, v, *, mask=None, causal: bool = False, backend: str | None = None,
+def resolve_impl(q, k, v, *, mask=None, is_causal: bool = False, backend: str | None = None,
                  logits_soft_cap: float | None = None, return_max_logits: bool = False) -> str:
   """The implementation ``impl="auto"`` runs for these inputs on ``backend``.
 
@@ -52,7 +52,7 @@ def resolve_impl(q, k, v, *, mask=None, causal: bool = False, backend: str | Non
       reason = f"tokamax is not installed ({_tokamax_adapter.EXTRA})"
     elif mask is not None:
       reason = "splash cannot take an explicit (B, H, Tq, Tk) mask array"
-    elif causal and q.shape[1] > k.shape[1]:
+    elif is_causal and q.shape[1] > k.shape[1]:
       reason = "splash does not support causal attention with Tq > Tk"
     if reason is None:
       return "splash"

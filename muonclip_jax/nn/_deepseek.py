@@ -139,10 +139,19 @@ def mla_from_hf_config(config: Mapping, **overrides) -> MultiHeadLatentAttention
       ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``rope_theta``, and
       ``rope_scaling`` / ``max_position_embeddings`` / ``rope_interleave``; see the module
       docstring for how YaRN and its temperature are set).
-    **overrides: other module fields (``attention_impl``, ``dtype``, ...).
+    **overrides: other module fields (``impl``, ``is_causal``, ``dtype``, ...).
 
   Raises:
     ValueError: a needed key is missing (the message names it) or unsupported.
+
+  Example:
+    >>> from muonclip_jax.nn import mla_from_hf_config
+    >>> config = {"hidden_size": 16, "num_attention_heads": 2, "q_lora_rank": None,
+    ...           "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 4,
+    ...           "rope_theta": 10000.0, "max_position_embeddings": 64}  # a tiny config.json
+    >>> attn = mla_from_hf_config(config, impl="dense")
+    >>> attn.num_heads, attn.q_lora_rank, attn.rope_interleave, attn.yarn
+    (2, 0, True, None)
   """
   return MultiHeadLatentAttention(**_mla_kwargs(config), **overrides)
 
@@ -150,7 +159,19 @@ def mla_from_hf_config(config: Mapping, **overrides) -> MultiHeadLatentAttention
 def mla_nnx_from_hf_config(
     config: Mapping, *, rngs: nnx.Rngs, **overrides
 ) -> MultiHeadLatentAttentionNNX:
-  """NNX twin of ``mla_from_hf_config`` (``in_features = config["hidden_size"]``)."""
+  """NNX twin of ``mla_from_hf_config`` (``in_features = config["hidden_size"]``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from muonclip_jax.nn import mla_nnx_from_hf_config
+    >>> config = {"hidden_size": 16, "num_attention_heads": 2, "q_lora_rank": None,
+    ...           "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 4,
+    ...           "rope_theta": 10000.0, "max_position_embeddings": 64}  # a tiny config.json
+    >>> model = mla_nnx_from_hf_config(config, impl="dense", rngs=nnx.Rngs(0))
+    >>> model(jnp.ones((1, 3, 16))).shape
+    (1, 3, 16)
+  """
   kwargs = _mla_kwargs(config)
   return MultiHeadLatentAttentionNNX(
       _get(config, "hidden_size"), **kwargs, rngs=rngs, **overrides
@@ -277,6 +298,20 @@ def load_hf_mla_params(
   Raises:
     ValueError: a missing config key or tensor, a tensor of the wrong shape (the message
       names it and the expected shape), or an FP8 tensor.
+
+  Example:
+    >>> import numpy as np
+    >>> from muonclip_jax.nn import load_hf_mla_params
+    >>> config = {"hidden_size": 16, "num_attention_heads": 2, "q_lora_rank": None,
+    ...           "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 4,
+    ...           "rope_theta": 10000.0, "max_position_embeddings": 64}
+    >>> shapes = {"q_proj": (16, 16), "kv_a_proj_with_mqa": (12, 16), "kv_a_layernorm": (8,),
+    ...           "kv_b_proj": (16, 8), "o_proj": (16, 8)}  # torch (out, in)
+    >>> checkpoint = {f"model.layers.{i}.self_attn.{name}.weight": np.zeros(shape, np.float32)
+    ...               for i in range(2) for name, shape in shapes.items()}
+    >>> params = load_hf_mla_params(checkpoint, config, layers=[0, 1])  # stacked for nn.scan
+    >>> sorted(params), params["wq"]["kernel"].shape  # (layers, in, out)
+    (['kv_norm', 'wkv_a', 'wkv_b', 'wo', 'wq'], (2, 16, 16))
   """
   stacked = not isinstance(layers, int)
   indices = list(layers) if stacked else [layers]

@@ -74,10 +74,10 @@ import jax
 import jax.numpy as jnp
 
 from ._attention import ATTENTION_IMPLS, attention
-from ._soft_cap import check_soft_cap, soft_cap
 from ._flax_private import check_module, linen_calling_module
-from ._sow import capturing as _capturing
-from ._sow import sow_head_max as _sow
+from ._masking import head_max
+from ._soft_cap import check_soft_cap, soft_cap
+from ._sow import capturing, sow_head_max
 
 
 def _calling_module(module: Any) -> Any:
@@ -151,7 +151,7 @@ def _dense_with_weights(q, k, v, *, scale, bias, allowed, dropout, dtype, cap):
     s = s + bias.astype(jnp.float32)
   if allowed is not None:
     s = jnp.where(allowed, s, -jnp.inf)
-  max_logits = jax.lax.stop_gradient(jnp.max(s, axis=(0, 2, 3)))  # before the cap (module doc)
+  max_logits = head_max(s, head_axis=1)  # before the cap (module doc)
   s = soft_cap(s, cap)
   row_max = jnp.max(s, axis=-1, keepdims=True)
   p = jnp.exp(s - jax.lax.stop_gradient(jnp.where(jnp.isneginf(row_max), 0.0, row_max)))
@@ -227,6 +227,19 @@ def dot_product_attention(
 
   Returns:
     ``(*batch, q_length, num_heads, v_head_dim)`` in ``dtype``.
+
+  Example:
+    >>> import flax.linen as nn
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from muonclip_jax.nn import dot_product_attention
+    >>> layer = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16,
+    ...                                         attention_fn=dot_product_attention)
+    >>> x = jnp.ones((1, 4, 16))
+    >>> params = layer.init(jax.random.key(0), x)
+    >>> y, state = layer.apply(params, x, mutable=["intermediates"])
+    >>> y.shape, state["intermediates"]["max_logits"].shape  # sown next to query/key
+    ((1, 4, 16), (2,))
   """
   del force_fp32_for_softmax  # the softmax is float32 in every case
   if impl not in ATTENTION_IMPLS:
@@ -260,19 +273,19 @@ def dot_product_attention(
   q4, k4, v4 = (x.reshape((b,) + x.shape[-3:]) for x in (query, key, value))
   full = (h, tq, tk)
   allowed = None if mask is None else _to_4d(mask, "mask", batch, full).astype(bool)
-  causal = bool(is_causal) and tq == tk
-  if is_causal and not causal:  # NNX's mask is jnp.tril(ones((Tq, Tk))): top-left aligned
+  square_causal = bool(is_causal) and tq == tk  # the kernels' causal mask (equal lengths)
+  if is_causal and not square_causal:  # NNX's mask is jnp.tril(ones((Tq, Tk))): top-left aligned
     tril = jnp.tril(jnp.ones((tq, tk), bool))[None, None]
     allowed = tril if allowed is None else allowed & tril
   target = _calling_module(module)
-  capture = _capturing(target)
+  capture = capturing(target)
   scale = 1.0 / math.sqrt(d)
   with _precision(precision):
     if bias is not None or dropout is not None:
       if impl not in ("dense", "auto"):
         raise ValueError(f"dot_product_attention: impl={impl!r} supports neither an additive bias nor "
                          "dropout; these need the attention weights (impl='dense')")
-      if causal:
+      if square_causal:
         tril = jnp.tril(jnp.ones((tq, tk), bool))[None, None]
         allowed = tril if allowed is None else allowed & tril
       bias4 = None if bias is None else _to_4d(bias, "bias", batch, full)
@@ -281,15 +294,15 @@ def dot_product_attention(
     else:
       pair_mask, kv_mask = allowed, None
       if impl in ("pallas", "splash") and allowed is not None:
-        pair_mask, kv_mask = None, _key_padding(allowed, mask, b, tk, is_causal=bool(is_causal) and not causal)
+        pair_mask, kv_mask = None, _key_padding(allowed, mask, b, tk, is_causal=bool(is_causal) and not square_causal)
       out, max_logits = attention(q4, k4, v4, softmax_scale=scale, impl=impl, block_size=block_size,
-                                  causal=causal, mask=pair_mask, kv_mask=kv_mask, return_max_logits=capture,
+                                  is_causal=square_causal, mask=pair_mask, kv_mask=kv_mask, return_max_logits=capture,
                                   logits_soft_cap=logits_soft_cap)
       if allowed is not None:  # Flax: a row with every key masked gets the mean of the values
-        rows = allowed if not causal else allowed & jnp.tril(jnp.ones((tq, tk), bool))[None, None]
+        rows = allowed if not square_causal else allowed & jnp.tril(jnp.ones((tq, tk), bool))[None, None]
         some = jnp.any(jnp.broadcast_to(rows, rows.shape[:2] + (tq, tk)), axis=-1)  # (B|1, H|1, Tq)
         mean_v = jnp.repeat(jnp.mean(v4.astype(jnp.float32), axis=1), h // k4.shape[2], axis=1)
         out = jnp.where(jnp.moveaxis(some, 1, 2)[..., None], out, mean_v[:, None].astype(dt))
   if capture:
-    _sow(target, max_logits)
+    sow_head_max(target, max_logits)
   return out.reshape(batch + out.shape[1:])

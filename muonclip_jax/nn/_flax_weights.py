@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from ._flax_private import check_module, linen_calling_module
-from ._sow import capturing, head_max, sow_head_max
+from ._masking import head_max
+from ._sow import capturing, sow_head_max
 
 
 def dot_product_attention_weights(
@@ -65,16 +66,18 @@ def dot_product_attention_weights(
   Returns:
     Flax's attention weights ``(*batch, heads, q_length, kv_length)``, bit for bit.
 
-  Example::
-
-    class Weights(nn.Module):
-      @nn.compact
-      def __call__(self, q, k):
-        return muonclip_jax.nn.dot_product_attention_weights(q, k)   # no module= needed
-
-    q = k = jnp.ones((2, 8, 4, 16))
-    w, state = Weights().apply({}, q, k, mutable=["intermediates"])
-    state["intermediates"]["max_logits"]   # (4,) float32
+  Example:
+    >>> import flax.linen as nn
+    >>> import jax.numpy as jnp
+    >>> from muonclip_jax.nn import dot_product_attention_weights
+    >>> class Weights(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, q, k):
+    ...     return dot_product_attention_weights(q, k)  # no module= needed
+    >>> q = k = jnp.ones((2, 8, 4, 16))  # (batch, length, heads, head_dim)
+    >>> w, state = Weights().apply({}, q, k, mutable=["intermediates"])
+    >>> w.shape, state["intermediates"]["max_logits"].tolist()  # (q . k) / sqrt(16)
+    ((2, 4, 8, 8), [4.0, 4.0, 4.0, 4.0])
   """
   if einsum_dot_general is not None:
     raise ValueError(f"dot_product_attention_weights: einsum_dot_general is not supported (got {einsum_dot_general!r}); "

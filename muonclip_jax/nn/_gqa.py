@@ -21,9 +21,10 @@ import jax.numpy as jnp
 
 from .._layouts import GQALayout
 from ._attention import AttentionImpl, attention
-from ._mla import Initializer, check_input, mask_kwargs, validate_common
+from ._module_args import Initializer, check_input, mask_kwargs, resolve_renamed_fields, validate_common
 from ._rope import YarnScaling, apply_rope
 from ._rope import softmax_scale as _softmax_scale
+from ._sow import capturing, sow_head_max
 
 
 def validate_gqa(
@@ -76,8 +77,8 @@ class GroupedQueryAttention(nn.Module):
     use_rope: apply RoPE to queries and keys.
     rope_theta: RoPE base.
     yarn: optional ``YarnScaling`` (frequencies and softmax scale times ``mscale^2``).
-    causal: causal self-attention (default True).
-    attention_impl: one of ``ATTENTION_IMPLS``: ``"auto"`` (default: splash on TPU, tokamax's
+    is_causal: causal self-attention (default True).
+    impl: one of ``ATTENTION_IMPLS``: ``"auto"`` (default: splash on TPU, tokamax's
       GPU kernels on GPU, dense on CPU), ``"dense"``, ``"chunked"``, ``"pallas"``, ``"dpa_max"``,
       ``"splash"``, ``"tokamax_gpu"`` (see ``attention``).
     block_size: key block length of ``"chunked"`` and ``"dpa_max"``; caps ``"pallas"`` tiles.
@@ -86,6 +87,21 @@ class GroupedQueryAttention(nn.Module):
     param_dtype: parameter dtype.
     kernel_init: initializer of every kernel.
     bias_init: initializer of the biases.
+    causal: deprecated spelling of ``is_causal`` (DeprecationWarning; removed in the next release).
+    attention_impl: deprecated spelling of ``impl`` (DeprecationWarning; removed in the next release).
+
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from muonclip_jax.nn import GroupedQueryAttention
+    >>> attn = GroupedQueryAttention(num_heads=4, num_kv_heads=2, head_dim=8, impl="dense")
+    >>> x = jnp.ones((1, 5, 16))  # (batch, seq, dim)
+    >>> params = attn.init(jax.random.key(0), x)
+    >>> y, state = attn.apply(params, x, mutable=["intermediates"])
+    >>> y.shape, state["intermediates"]["max_logits"].shape  # one max logit per query head
+    ((1, 5, 16), (4,))
+    >>> attn.layout.num_kv_heads  # the layout qk_clip reads
+    2
   """
 
   num_heads: int
@@ -95,20 +111,23 @@ class GroupedQueryAttention(nn.Module):
   use_rope: bool = True
   rope_theta: float = 10000.0
   yarn: YarnScaling | None = None
-  causal: bool = True
-  attention_impl: AttentionImpl = "auto"
+  is_causal: bool = True
+  impl: AttentionImpl = "auto"
   block_size: int = 512
   clip_mode: Literal["split", "query"] = "split"
   dtype: Any = None
   param_dtype: Any = jnp.float32
   kernel_init: Initializer = nn.initializers.lecun_normal()
   bias_init: Initializer = nn.initializers.zeros_init()
+  causal: bool | None = None  # deprecated: is_causal
+  attention_impl: AttentionImpl | None = None  # deprecated: impl
 
   def __post_init__(self):
+    resolve_renamed_fields(self)
     validate_gqa(
         type(self).__name__, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
         head_dim=self.head_dim, clip_mode=self.clip_mode, use_rope=self.use_rope,
-        attention_impl=self.attention_impl, block_size=self.block_size,
+        impl=self.impl, block_size=self.block_size,
         rope_theta=self.rope_theta, yarn=self.yarn,
     )
     super().__post_init__()
@@ -147,7 +166,7 @@ class GroupedQueryAttention(nn.Module):
 
     positions, kw = mask_kwargs(
         x, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask, mask=mask,
-        causal=self.causal,
+        is_causal=self.is_causal,
     )
     q, k, v = gqa_qkv(
         proj(h * d, "heads", "wq"),
@@ -159,16 +178,13 @@ class GroupedQueryAttention(nn.Module):
         rope_theta=self.rope_theta,
         yarn=self.yarn,
     )
-    capture = self.is_mutable_collection("intermediates")
+    capture = capturing(self)
     out, max_logits = attention(
-        q, k, v, softmax_scale=self.softmax_scale, impl=self.attention_impl,
+        q, k, v, softmax_scale=self.softmax_scale, impl=self.impl,
         block_size=self.block_size, return_max_logits=capture, **kw,
     )
     if capture:
-      self.sow(
-          "intermediates", "max_logits", max_logits,
-          init_fn=lambda: jnp.full((h,), -jnp.inf, jnp.float32), reduce_fn=jnp.maximum,
-      )
+      sow_head_max(self, max_logits)
     wo = functools.partial(
         nn.Dense, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
         kernel_init=nn.with_logical_partitioning(self.kernel_init, ("heads", "embed")),

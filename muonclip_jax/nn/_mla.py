@@ -28,31 +28,11 @@ import jax.numpy as jnp
 
 from .._checks import check_positive_int
 from .._layouts import MLALayout
-from ._attention import ATTENTION_IMPLS, AttentionImpl, attention
-from ._rope import YarnScaling, apply_rope, default_positions
+from ._attention import AttentionImpl, attention
+from ._module_args import Initializer, check_input, mask_kwargs, resolve_renamed_fields, validate_common
+from ._rope import YarnScaling, apply_rope
 from ._rope import softmax_scale as _softmax_scale
-
-Initializer = Callable[..., jax.Array]
-
-
-def validate_common(
-    name: str,
-    *,
-    attention_impl: str,
-    block_size: int,
-    rope_theta: float,
-    yarn: YarnScaling | None,
-) -> None:
-  """Checks the fields shared by the attention modules; raises ``ValueError``."""
-  if attention_impl not in ATTENTION_IMPLS:
-    raise ValueError(
-        f"{name}: attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}"
-    )
-  check_positive_int(f"{name}: block_size", block_size)
-  if not (isinstance(rope_theta, (int, float)) and rope_theta > 1.0):
-    raise ValueError(f"{name}: rope_theta must be a number > 1, got {rope_theta!r}")
-  if yarn is not None and not isinstance(yarn, YarnScaling):
-    raise ValueError(f"{name}: yarn must be a YarnScaling or None, got {type(yarn).__name__}")
+from ._sow import capturing, sow_head_max
 
 
 def validate_mla(name: str, *, num_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim,
@@ -70,33 +50,6 @@ def validate_mla(name: str, *, num_heads, q_lora_rank, kv_lora_rank, qk_nope_hea
     raise ValueError(f"{name}: qk_rope_head_dim must be even for RoPE, got {qk_rope_head_dim}")
   validate_common(name, **common)
   return layout
-
-
-def check_input(name: str, x: jax.Array) -> None:
-  if x.ndim != 3:
-    raise ValueError(f"{name}: expected x of shape (batch, seq, dim), got {x.shape}")
-
-
-def mask_kwargs(x, *, positions, segment_ids, padding_mask, mask, causal) -> tuple[jax.Array, dict]:
-  """Module call arguments -> (positions, keyword arguments of ``attention``).
-
-  ``padding_mask`` ``(B, T)`` (True = real token) masks padded keys and padded queries;
-  ``segment_ids`` ``(B, T)`` keeps attention inside each packed sequence; ``mask`` is a
-  Flax-style boolean ``(B|1, H|1, T, T)`` mask; ``causal`` uses token indices, so packed
-  sequences need ``segment_ids``. ``positions`` ``(B, T)`` only feed RoPE.
-  """
-  b, t = x.shape[:2]
-  named = (positions, "positions"), (segment_ids, "segment_ids"), (padding_mask, "padding_mask")
-  for arg, label in named:
-    if arg is not None and tuple(arg.shape) != (b, t):
-      raise ValueError(f"{label} must have shape {(b, t)} (batch, seq), got {tuple(arg.shape)}")
-  if positions is None:
-    positions = default_positions(b, t)
-  kw = dict(
-      causal=causal, mask=mask, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-      q_mask=padding_mask, kv_mask=padding_mask,
-  )
-  return positions, kw
 
 
 def mla_qkv(
@@ -182,8 +135,8 @@ class MultiHeadLatentAttention(nn.Module):
     rope_interleave: rotate the pairs ``(2i, 2i+1)`` of each rotary part (DeepSeek-V3's
       reference and Hugging Face's ``rope_interleave``) instead of ``(i, i + dr/2)``;
       checkpoints of DeepSeek-V3 / Kimi K2 then load without permuting columns.
-    causal: causal self-attention (default True).
-    attention_impl: ``"auto"`` (default: splash on TPU, tokamax's GPU kernels on GPU, dense
+    is_causal: causal self-attention (default True).
+    impl: ``"auto"`` (default: splash on TPU, tokamax's GPU kernels on GPU, dense
       on CPU), ``"dense"`` (materialized logits), ``"chunked"`` (online softmax), ``"pallas"``
       (fused Pallas kernel), ``"dpa_max"``, ``"splash"`` or ``"tokamax_gpu"`` (see ``attention``).
     block_size: key block length of ``"chunked"`` and ``"dpa_max"``; caps ``"pallas"`` tiles.
@@ -191,6 +144,22 @@ class MultiHeadLatentAttention(nn.Module):
     dtype: computation dtype (``None``: inferred from inputs and params).
     param_dtype: parameter dtype.
     kernel_init: initializer of every kernel (wrapped with its logical axis names).
+    causal: deprecated spelling of ``is_causal`` (DeprecationWarning; removed in the next release).
+    attention_impl: deprecated spelling of ``impl`` (DeprecationWarning; removed in the next release).
+
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from muonclip_jax.nn import MultiHeadLatentAttention
+    >>> attn = MultiHeadLatentAttention(num_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4,
+    ...                                 qk_rope_head_dim=4, v_head_dim=4, impl="dense")
+    >>> x = jnp.ones((1, 5, 16))  # (batch, seq, dim)
+    >>> params = attn.init(jax.random.key(0), x)
+    >>> y, state = attn.apply(params, x, mutable=["intermediates"])
+    >>> y.shape, state["intermediates"]["max_logits"].shape
+    ((1, 5, 16), (2,))
+    >>> params["params"]["wkv_b"]["kernel"].value.shape  # (kv_lora_rank, H * (dn + dv))
+    (8, 16)
   """
 
   num_heads: int
@@ -202,20 +171,23 @@ class MultiHeadLatentAttention(nn.Module):
   rope_theta: float = 10000.0
   yarn: YarnScaling | None = None
   rope_interleave: bool = False
-  causal: bool = True
-  attention_impl: AttentionImpl = "auto"
+  is_causal: bool = True
+  impl: AttentionImpl = "auto"
   block_size: int = 512
   norm_epsilon: float = 1e-6
   dtype: Any = None
   param_dtype: Any = jnp.float32
   kernel_init: Initializer = nn.initializers.lecun_normal()
+  causal: bool | None = None  # deprecated: is_causal
+  attention_impl: AttentionImpl | None = None  # deprecated: impl
 
   def __post_init__(self):
+    resolve_renamed_fields(self)
     validate_mla(
         type(self).__name__, num_heads=self.num_heads, q_lora_rank=self.q_lora_rank,
         kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
         qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
-        attention_impl=self.attention_impl, block_size=self.block_size,
+        impl=self.impl, block_size=self.block_size,
         rope_theta=self.rope_theta, yarn=self.yarn, rope_interleave=self.rope_interleave,
     )
     super().__post_init__()
@@ -268,20 +240,17 @@ class MultiHeadLatentAttention(nn.Module):
     )
     positions, kw = mask_kwargs(
         x, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask, mask=mask,
-        causal=self.causal,
+        is_causal=self.is_causal,
     )
     q, k, v = mla_qkv(
         q, wkv_a(x), kv_norm, wkv_b, positions, layout=layout, kv_lora_rank=self.kv_lora_rank,
         rope_theta=self.rope_theta, yarn=self.yarn, rope_interleave=self.rope_interleave,
     )
-    capture = self.is_mutable_collection("intermediates")
+    capture = capturing(self)
     out, max_logits = attention(
-        q, k, v, softmax_scale=self.softmax_scale, impl=self.attention_impl,
+        q, k, v, softmax_scale=self.softmax_scale, impl=self.impl,
         block_size=self.block_size, return_max_logits=capture, **kw,
     )
     if capture:
-      self.sow(
-          "intermediates", "max_logits", max_logits,
-          init_fn=lambda: jnp.full((h,), -jnp.inf, jnp.float32), reduce_fn=jnp.maximum,
-      )
+      sow_head_max(self, max_logits)
     return dense(dim, kernel_init=init("heads", "embed"), name="wo")(out.reshape(b, t, h * dv))

@@ -18,7 +18,7 @@ Getting the max logits (flax >= 0.12 ``nnx.capture``; ``sow`` outside it is depr
   # intermediates: nnx.State, e.g. {"max_logits": Intermediate((H,) float32)} for a bare
   # attention module, {"layers": {0: {"attn": {"max_logits": ...}}}} inside a model.
   new_params = muonclip_jax.qk_clip(
-      nnx.state(model, nnx.Param), intermediates, threshold=tau, layout=model.layout)
+      nnx.state(model, nnx.Param), intermediates, qk_clip_threshold=tau, layout=model.layout)
   nnx.update(model, new_params)
 
 ``nnx.to_pure_dict(intermediates)`` gives the plain ``{..., "max_logits": array}`` tree
@@ -38,11 +38,12 @@ from flax import nnx
 
 from .._layouts import GQALayout, MLALayout
 from ._attention import AttentionImpl, attention
-from ._flax_private import nnx_capturing as capturing_intermediates
 from ._gqa import gqa_qkv, validate_gqa
-from ._mla import Initializer, check_input, mask_kwargs, mla_qkv, validate_mla
+from ._mla import mla_qkv, validate_mla
+from ._module_args import Initializer, check_input, mask_kwargs, renamed_fields
 from ._rope import YarnScaling
 from ._rope import softmax_scale as _softmax_scale
+from ._sow import capturing, sow_head_max
 
 _default_kernel_init = nnx.initializers.lecun_normal()
 _default_bias_init = nnx.initializers.zeros_init()
@@ -58,19 +59,25 @@ def _linear(in_features, out_features, names, *, use_bias=False, dtype, param_dt
   )
 
 
-def _sow_max_logits(module: nnx.Module, max_logits: jax.Array, h: int) -> None:
-  module.sow(
-      nnx.Intermediate, "max_logits", max_logits,
-      init_fn=lambda: jnp.full((h,), -jnp.inf, jnp.float32), reduce_fn=jnp.maximum,
-  )
-
-
 class MultiHeadLatentAttentionNNX(nnx.Module):
   """NNX twin of ``MultiHeadLatentAttention`` (same math, parameter names and shapes).
 
   ``model(x, positions=None, segment_ids=None, padding_mask=None, mask=None)``; see the
   Linen docstring for the math, the parameter tree and the logical axis names, and this
-  module's docstring for capturing ``max_logits`` with ``nnx.capture``.
+  module's docstring for capturing ``max_logits`` with ``nnx.capture``. The deprecated
+  keywords ``causal`` and ``attention_impl`` (now ``is_causal`` and ``impl``) still work for
+  one release, with a DeprecationWarning.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from muonclip_jax.nn import MultiHeadLatentAttentionNNX
+    >>> model = MultiHeadLatentAttentionNNX(16, num_heads=2, q_lora_rank=8, kv_lora_rank=8,
+    ...                                     qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4,
+    ...                                     impl="dense", rngs=nnx.Rngs(0))
+    >>> y, captured = nnx.capture(model, nnx.Intermediate)(jnp.ones((1, 5, 16)))
+    >>> y.shape, nnx.to_pure_dict(captured)["max_logits"].shape
+    ((1, 5, 16), (2,))
   """
 
   def __init__(
@@ -86,8 +93,8 @@ class MultiHeadLatentAttentionNNX(nnx.Module):
       rope_theta: float = 10000.0,
       yarn: YarnScaling | None = None,
       rope_interleave: bool = False,
-      causal: bool = True,
-      attention_impl: AttentionImpl = "auto",
+      is_causal: bool = True,
+      impl: AttentionImpl = "auto",
       block_size: int = 512,
       norm_epsilon: float = 1e-6,
       dtype: Any = None,
@@ -95,17 +102,22 @@ class MultiHeadLatentAttentionNNX(nnx.Module):
       kernel_init: Initializer = _default_kernel_init,
       eager_sharding: bool | None = False,
       rngs: nnx.Rngs,
+      causal: bool | None = None,
+      attention_impl: AttentionImpl | None = None,
   ):
+    renamed = renamed_fields(type(self).__name__, dict(
+        causal=causal, is_causal=is_causal, attention_impl=attention_impl, impl=impl))
+    is_causal, impl = renamed["is_causal"], renamed["impl"]
     self._layout = validate_mla(
         type(self).__name__, num_heads=num_heads, q_lora_rank=q_lora_rank,
         kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
-        qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim, attention_impl=attention_impl,
+        qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim, impl=impl,
         block_size=block_size, rope_theta=rope_theta, yarn=yarn, rope_interleave=rope_interleave,
     )
     self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
     self.rope_interleave = rope_interleave
-    self.rope_theta, self.yarn, self.causal = rope_theta, yarn, causal
-    self.attention_impl, self.block_size = attention_impl, block_size
+    self.rope_theta, self.yarn, self.is_causal = rope_theta, yarn, is_causal
+    self.impl, self.block_size = impl, block_size
     h, dn, dr, dv = num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
     kw = dict(
         dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
@@ -150,20 +162,20 @@ class MultiHeadLatentAttentionNNX(nnx.Module):
     q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora_rank else self.wq(x)
     positions, kw = mask_kwargs(
         x, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask, mask=mask,
-        causal=self.causal,
+        is_causal=self.is_causal,
     )
     q, k, v = mla_qkv(
         q, self.wkv_a(x), self.kv_norm, self.wkv_b, positions, layout=layout,
         kv_lora_rank=self.kv_lora_rank, rope_theta=self.rope_theta, yarn=self.yarn,
         rope_interleave=self.rope_interleave,
     )
-    capture = capturing_intermediates(self)
+    capture = capturing(self)
     out, max_logits = attention(
-        q, k, v, softmax_scale=self.softmax_scale, impl=self.attention_impl,
+        q, k, v, softmax_scale=self.softmax_scale, impl=self.impl,
         block_size=self.block_size, return_max_logits=capture, **kw,
     )
     if capture:
-      _sow_max_logits(self, max_logits, layout.num_heads)
+      sow_head_max(self, max_logits)
     return self.wo(out.reshape(b, t, layout.num_heads * layout.v_head_dim))
 
 
@@ -171,7 +183,19 @@ class GroupedQueryAttentionNNX(nnx.Module):
   """NNX twin of ``GroupedQueryAttention`` (same math, parameter names and shapes).
 
   ``model(x, positions=None, segment_ids=None, padding_mask=None, mask=None)``; see the
-  Linen docstring and this module's docstring for capturing ``max_logits``.
+  Linen docstring and this module's docstring for capturing ``max_logits``. The deprecated
+  keywords ``causal`` and ``attention_impl`` (now ``is_causal`` and ``impl``) still work for
+  one release, with a DeprecationWarning.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from muonclip_jax.nn import GroupedQueryAttentionNNX
+    >>> model = GroupedQueryAttentionNNX(16, num_heads=4, num_kv_heads=2, head_dim=8, impl="dense",
+    ...                                  rngs=nnx.Rngs(0))
+    >>> y, captured = nnx.capture(model, nnx.Intermediate)(jnp.ones((1, 5, 16)))
+    >>> y.shape, nnx.to_pure_dict(captured)["max_logits"].shape
+    ((1, 5, 16), (4,))
   """
 
   def __init__(
@@ -185,8 +209,8 @@ class GroupedQueryAttentionNNX(nnx.Module):
       use_rope: bool = True,
       rope_theta: float = 10000.0,
       yarn: YarnScaling | None = None,
-      causal: bool = True,
-      attention_impl: AttentionImpl = "auto",
+      is_causal: bool = True,
+      impl: AttentionImpl = "auto",
       block_size: int = 512,
       clip_mode: Literal["split", "query"] = "split",
       dtype: Any = None,
@@ -195,14 +219,19 @@ class GroupedQueryAttentionNNX(nnx.Module):
       bias_init: Initializer = _default_bias_init,
       eager_sharding: bool | None = False,
       rngs: nnx.Rngs,
+      causal: bool | None = None,
+      attention_impl: AttentionImpl | None = None,
   ):
+    renamed = renamed_fields(type(self).__name__, dict(
+        causal=causal, is_causal=is_causal, attention_impl=attention_impl, impl=impl))
+    is_causal, impl = renamed["is_causal"], renamed["impl"]
     self._layout = validate_gqa(
         type(self).__name__, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        clip_mode=clip_mode, use_rope=use_rope, attention_impl=attention_impl,
+        clip_mode=clip_mode, use_rope=use_rope, impl=impl,
         block_size=block_size, rope_theta=rope_theta, yarn=yarn,
     )
-    self.use_rope, self.rope_theta, self.yarn, self.causal = use_rope, rope_theta, yarn, causal
-    self.attention_impl, self.block_size = attention_impl, block_size
+    self.use_rope, self.rope_theta, self.yarn, self.is_causal = use_rope, rope_theta, yarn, is_causal
+    self.impl, self.block_size = impl, block_size
     kw = dict(
         dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
         eager_sharding=eager_sharding, rngs=rngs,
@@ -237,17 +266,17 @@ class GroupedQueryAttentionNNX(nnx.Module):
     layout = self._layout
     positions, kw = mask_kwargs(
         x, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask, mask=mask,
-        causal=self.causal,
+        is_causal=self.is_causal,
     )
     q, k, v = gqa_qkv(
         self.wq(x), self.wk(x), self.wv(x), positions, layout=layout, use_rope=self.use_rope,
         rope_theta=self.rope_theta, yarn=self.yarn,
     )
-    capture = capturing_intermediates(self)
+    capture = capturing(self)
     out, max_logits = attention(
-        q, k, v, softmax_scale=self.softmax_scale, impl=self.attention_impl,
+        q, k, v, softmax_scale=self.softmax_scale, impl=self.impl,
         block_size=self.block_size, return_max_logits=capture, **kw,
     )
     if capture:
-      _sow_max_logits(self, max_logits, layout.num_heads)
+      sow_head_max(self, max_logits)
     return self.wo(out.reshape(b, t, layout.num_heads * layout.head_dim))

@@ -23,7 +23,8 @@ arXiv 2507.20534, Sec. 2.1):
   ``c * artanh(m / c)``, but in float32 ``tanh`` saturates to 1 for ``s / c`` above
   about 9 and loses digits well before: the inversion is not offered; callers raise.
 
-All conversions are elementwise, keep shape, and return float32 under ``stop_gradient``.
+All conversions are elementwise, keep shape, and return float32 under ``stop_gradient``;
+``_masking.head_max`` then reduces the rows to the per-head maxima.
 """
 
 from __future__ import annotations
@@ -44,8 +45,3 @@ def row_max_from_residual(m: jax.Array, *, log2_units: bool = False,
   natural = m / jnp.float32(LOG2E) if log2_units else m
   return jnp.where(m <= jnp.float32(masked_at), -jnp.inf, natural)
 
-
-def head_max(row_max: jax.Array, *, head_axis: int) -> jax.Array:
-  """``(H,)`` float32 maxima over every axis but ``head_axis`` of per-row maxima."""
-  axes = tuple(a for a in range(row_max.ndim) if a != head_axis % row_max.ndim)
-  return jax.lax.stop_gradient(jnp.max(row_max, axis=axes).astype(jnp.float32))

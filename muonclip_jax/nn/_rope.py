@@ -54,6 +54,15 @@ class YarnScaling:
     beta_slow: rotations over ``L_orig`` below which a dimension is interpolated (1);
       ``beta_slow <= beta_fast`` (equal betas, as in Kimi K2, make a one-index ramp).
     mscale: coefficient ``m`` of the temperature correction ``0.1 * m * ln(s) + 1`` (1.0).
+
+  Example:
+    >>> from muonclip_jax.nn import YarnScaling, rope_frequencies, softmax_scale
+    >>> yarn = YarnScaling(factor=40.0, original_max_position=4096)
+    >>> freqs = rope_frequencies(64, yarn=yarn)
+    >>> freqs.shape, float(freqs[0]), round(float(freqs[-1] * 40 / rope_frequencies(64)[-1]), 6)
+    ((32,), 1.0, 1.0)
+    >>> round(softmax_scale(192, yarn) / softmax_scale(192), 4)  # mscale^2 = (0.1 ln 40 + 1)^2
+    1.8739
   """
 
   factor: float
@@ -97,6 +106,11 @@ def rope_frequencies(
 
   Returns:
     A float64 NumPy array of shape ``(dim // 2,)`` (static, computed once at trace time).
+
+  Example:
+    >>> from muonclip_jax.nn import rope_frequencies
+    >>> rope_frequencies(4).round(6).tolist()  # base^(-2i / D), i < D / 2
+    [1.0, 0.01]
   """
   if dim % 2 or dim <= 0:
     raise ValueError(f"rope_frequencies: dim must be a positive even int, got {dim!r}")
@@ -117,7 +131,13 @@ def rope_frequencies(
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-  """YaRN attention temperature ``0.1 * mscale * ln(factor) + 1`` (1 when ``factor <= 1``)."""
+  """YaRN attention temperature ``0.1 * mscale * ln(factor) + 1`` (1 when ``factor <= 1``).
+
+  Example:
+    >>> from muonclip_jax.nn import yarn_mscale
+    >>> round(yarn_mscale(40.0), 4), yarn_mscale(1.0)  # 0.1 * ln(40) + 1; no scaling: 1
+    (1.3689, 1.0)
+  """
   if factor <= 1.0:
     return 1.0
   return 0.1 * mscale * math.log(factor) + 1.0
@@ -127,6 +147,13 @@ def softmax_scale(qk_head_dim: int, yarn: YarnScaling | None = None) -> float:
   """The number multiplying ``q . k`` before the softmax.
 
   ``1 / sqrt(qk_head_dim)``, times ``yarn_mscale(s, m)^2`` with YaRN, as DeepSeek-V3.
+
+  Example:
+    >>> from muonclip_jax.nn import YarnScaling, softmax_scale
+    >>> softmax_scale(64)  # 1 / sqrt(64)
+    0.125
+    >>> round(softmax_scale(64, YarnScaling(factor=40.0, original_max_position=4096)), 5)
+    0.23423
   """
   scale = qk_head_dim**-0.5
   if yarn is not None:
@@ -155,6 +182,17 @@ def apply_rope(
   ``(x_{2i}, x_{2i+1})`` written to ``(out_{2i}, out_{2i+1})``, i.e. the complex product
   ``(x_{2i} + j x_{2i+1}) e^{j p theta_i}`` of DeepSeek-V3's ``apply_rotary_emb``.
   Angles are computed in float32; the result has the dtype of ``x``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from muonclip_jax.nn import apply_rope
+    >>> x = jnp.ones((1, 3, 2, 4))  # (batch, seq, heads, D)
+    >>> positions = jnp.arange(3)[None, :]
+    >>> out = apply_rope(x, positions)
+    >>> out.shape, bool(jnp.allclose(jnp.linalg.norm(out, axis=-1), 2.0))  # rotations keep norms
+    ((1, 3, 2, 4), True)
+    >>> bool(jnp.allclose(out[:, 0], x[:, 0]))  # position 0 is not rotated
+    True
   """
   if x.ndim != 4:
     raise ValueError(f"apply_rope: expected x of shape (batch, seq, heads, dim), got {x.shape}")

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ._flax_private import check_module, nnx_capturing
+from ._masking import head_max
 
 
 def capturing(module: Any) -> bool:
@@ -56,25 +57,6 @@ def sow_head_max(module: Any, max_logits: jax.Array) -> None:
     module.sow(nnx.Intermediate, "max_logits", max_logits, init_fn=init, reduce_fn=jnp.maximum)
 
 
-def head_max(logits: jax.Array, mask: Any = None, *, head_axis: int = -3, where: str = "sow_max_logits") -> jax.Array:
-  """``(num_heads,)`` float32: the maximum of ``logits`` over every axis but ``head_axis``,
-  where ``mask`` (broadcastable to ``logits``) is True; under ``stop_gradient``."""
-  logits = jnp.asarray(logits)
-  if logits.ndim < 2:
-    raise ValueError(f"{where}: logits must have a head axis and at least one other axis, got shape {logits.shape}")
-  if not isinstance(head_axis, int) or isinstance(head_axis, bool) or not -logits.ndim <= head_axis < logits.ndim:
-    raise ValueError(f"{where}: head_axis must be an int in [{-logits.ndim}, {logits.ndim}) for logits of shape "
-                     f"{logits.shape}, got {head_axis!r}")
-  s = jax.lax.stop_gradient(logits).astype(jnp.float32)
-  if mask is not None:
-    mask = jnp.asarray(mask)
-    if mask.ndim > s.ndim or any(m not in (1, t) for m, t in zip(mask.shape[::-1], s.shape[::-1])):
-      raise ValueError(f"{where}: mask of shape {mask.shape} is not broadcastable to the logits' shape {s.shape}")
-    s = jnp.where(mask.astype(bool), s, -jnp.inf)
-  axis = head_axis % s.ndim
-  return jnp.max(s, axis=tuple(a for a in range(s.ndim) if a != axis))
-
-
 def sow_max_logits(module: Any, logits: jax.Array, *, mask: Any = None, head_axis: int = -3) -> None:
   """Sows each head's max logit on ``module`` for QK-Clip (see the module docstring).
 
@@ -90,17 +72,22 @@ def sow_max_logits(module: Any, logits: jax.Array, *, mask: Any = None, head_axi
     head_axis: the axis of ``logits`` that indexes heads (default -3, Flax's
       ``(..., heads, q, k)``; Gemma's ``"BTNS"`` logits: 2).
 
-  Example::
-
-    class Attention(nn.Module):
-      @nn.compact
-      def __call__(self, x):
-        q, k, v = ...                                    # (B, T, H, D)
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1])
-        mask = nn.make_causal_mask(x[..., 0])            # (B, 1, T, T)
-        muonclip_jax.nn.sow_max_logits(self, logits, mask=mask)
-        ...
+  Example:
+    >>> import flax.linen as nn
+    >>> import jax.numpy as jnp
+    >>> from muonclip_jax.nn import sow_max_logits
+    >>> class Attention(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, q, k):  # q, k: (B, T, H, D)
+    ...     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1])
+    ...     mask = nn.make_causal_mask(q[..., 0, 0])  # (B, 1, T, T)
+    ...     sow_max_logits(self, logits, mask=mask)   # before any soft-cap
+    ...     return logits
+    >>> q = k = jnp.ones((1, 3, 2, 4))
+    >>> _, state = Attention().apply({}, q, k, mutable=["intermediates"])
+    >>> state["intermediates"]["max_logits"].tolist()  # (q . k) / sqrt(4) per head
+    [2.0, 2.0]
   """
   check_module(module, "sow_max_logits")
   if capturing(module):
-    sow_head_max(module, head_max(logits, mask, head_axis=head_axis))
+    sow_head_max(module, head_max(logits, mask, head_axis=head_axis, where="sow_max_logits"))

@@ -17,12 +17,12 @@ checked against ``dense_attention`` in interpret mode by tests/test_splash.py):
   ``h // (H // Hkv)``, as ours).
 * lengths are padded to the kernel's blocks (multiples of 128, the TPU lane width);
   padded keys are masked through segment ids, padded queries dropped.
-* ``causal`` (bottom-right aligned) and ``window`` are splash's static ``CausalMask`` /
+* ``is_causal`` (bottom-right aligned) and ``window`` are splash's static ``CausalMask`` /
   ``LocalMask`` with ``offset = Tk - Tq``; ``q_segment_ids``/``kv_segment_ids`` are its
   segment ids; ``q_mask``/``kv_mask`` become segment ids below every real one.
   An explicit traced ``(B, H, Tq, Tk)`` ``mask`` is not expressible: ValueError.
 * a row without a visible key returns zeros (splash returns a mean of masked values);
-  a static mask (``causal`` with ``Tq > Tk``, a ``window`` with cross lengths) that leaves
+  a static mask (``is_causal`` with ``Tq > Tk``, a ``window`` with cross lengths) that leaves
   a row, padded rows included, without any key is refused (ValueError).
 * ``logits_soft_cap``: splash applies ``c * tanh(s / c)`` before its running maximum, so
   its max logit is the capped one and the pre-cap maximum QK-Clip bounds cannot be
@@ -31,11 +31,6 @@ checked against ``dense_attention`` in interpret mode by tests/test_splash.py):
 
 On a CPU backend the kernel runs in Pallas interpret mode (slow; for tests), on TPU as
 Mosaic. Needs the optional extra ``pip install 'muonclip_jax[tokamax]'``.
-
-Example (CPU, interpret mode)::
-
-  q = k = v = jnp.ones((1, 8, 2, 8))
-  out, m = splash_attention(q, k, v, softmax_scale=0.35, causal=True, return_max_logits=True)
 """
 
 from __future__ import annotations
@@ -44,9 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._deprecation import renamed_keywords
 from . import _tokamax_adapter
-from ._attention import _check_and_prepare
-from ._residual_max import head_max, row_max_from_residual
+from ._masking import check_and_prepare, head_max
+from ._residual_max import row_max_from_residual
 
 LANES = 128  # splash's block sizes must be multiples of the TPU lane width
 
@@ -70,26 +66,26 @@ def _block(block_size: int, t: int) -> int:
   return min(_round_up(max(block_size, 1), LANES), _round_up(t, LANES))
 
 
-def _static_mask(mask_lib, shape, *, causal: bool, window, offset: int):
+def _static_mask(mask_lib, shape, *, is_causal: bool, window, offset: int):
   if window is not None:
     left, right = window
-    if causal:
+    if is_causal:
       right = 0 if right is None else min(right, 0)
     return mask_lib.LocalMask(shape, window_size=(left, right), offset=offset)
-  if causal:
+  if is_causal:
     return mask_lib.CausalMask(shape, offset=offset)
   return mask_lib.FullMask(shape)
 
 
-def _first_static_empty_row(tq_p, tk_p, *, causal: bool, window, offset: int) -> int | None:
+def _first_static_empty_row(tq_p, tk_p, *, is_causal: bool, window, offset: int) -> int | None:
   """First (padded) query row the static mask leaves without keys, or None.
 
   Row ``i`` sees keys ``i + offset - left <= j <= i + offset + right`` within
-  ``[0, tk_p)`` (``right <= 0`` under causal). A row with none would leave splash's
+  ``[0, tk_p)`` (``right <= 0`` under ``is_causal``). A row with none would leave splash's
   skipped blocks uninitialized (NaN in the backward pass), so such shapes are refused.
   """
   left, right = window if window is not None else (None, None)
-  if causal:
+  if is_causal:
     right = 0 if right is None else min(right, 0)
   i = np.arange(tq_p)
   lo = np.zeros(tq_p, np.int64) if left is None else np.maximum(i + offset - left, 0)
@@ -121,13 +117,14 @@ def _segment_ids(b, tq, tk, tq_p, tk_p, q_segment_ids, kv_segment_ids, q_mask, k
   return sq, sk
 
 
+@renamed_keywords(causal="is_causal")
 def splash_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     *,
     softmax_scale: float,
-    causal: bool = False,
+    is_causal: bool = False,
     mask: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
@@ -144,7 +141,7 @@ def splash_attention(
   Args:
     window: static ``(left, right)``: query ``i`` sees key ``j`` only if
       ``i + Tk - Tq - left <= j <= i + Tk - Tq + right`` (None: unbounded on that side);
-      combined with ``causal``.
+      combined with ``is_causal``.
     logits_soft_cap: static ``c``: logits become ``c * tanh(s / c)`` (Gemma 2). Not with
       ``return_max_logits=True`` (ValueError, see the module doc).
     block_size: static; query/key blocks are ``block_size`` rounded up to a multiple of
@@ -157,11 +154,21 @@ def splash_attention(
 
   Reverse-mode differentiable (``grad``, ``vjp``: a custom VJP around tokamax's), not
   forward mode (``jvp``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from muonclip_jax.nn import dense_attention, splash_attention
+    >>> q = k = v = jnp.linspace(-1.0, 1.0, 1 * 8 * 2 * 8).reshape(1, 8, 2, 8)
+    >>> out, m = splash_attention(q, k, v, softmax_scale=0.35, is_causal=True,
+    ...                           return_max_logits=True, interpret=True)  # Pallas interpret mode
+    >>> ref, ref_m = dense_attention(q, k, v, softmax_scale=0.35, is_causal=True, return_max_logits=True)
+    >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-5)), bool(jnp.allclose(m, ref_m))
+    ((1, 8, 2, 8), True, True)
   """
   if mask is not None:
     raise ValueError(
         "splash_attention: an explicit boolean `mask` (B, H, Tq, Tk) array is not supported "
-        "(splash's masks are static); use causal / window / segment ids / q_mask / kv_mask, "
+        "(splash's masks are static); use is_causal / window / segment ids / q_mask / kv_mask, "
         "or impl='dense', 'chunked' or 'dpa_max'"
     )
   if logits_soft_cap is not None and return_max_logits:
@@ -174,7 +181,7 @@ def splash_attention(
     raise ValueError(f"splash_attention: logits_soft_cap must be > 0, got {logits_soft_cap!r}")
   if window is not None and (len(window) != 2 or any(w is not None and w < 0 for w in window)):
     raise ValueError(f"splash_attention: window must be (left, right) of ints >= 0 or None, got {window!r}")
-  q_side, k_side = _check_and_prepare(
+  q_side, k_side = check_and_prepare(
       q, k, v, mask=None, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       q_mask=q_mask, kv_mask=kv_mask, name="splash_attention",
   )
@@ -185,14 +192,14 @@ def splash_attention(
   kernel_lib, mask_lib, base = _tokamax_adapter.splash_modules("impl='splash'")
   bq, bkv = _block(block_size, tq), _block(block_size, tk)
   tq_p, tk_p = _round_up(tq, bq), _round_up(tk, bkv)
-  empty = _first_static_empty_row(tq_p, tk_p, causal=bool(causal), window=window, offset=tk - tq)
+  empty = _first_static_empty_row(tq_p, tk_p, is_causal=bool(is_causal), window=window, offset=tk - tq)
   if empty is not None:
-    what = f"causal with Tq {tq} > Tk {tk}" if causal and tq > tk else f"window={window!r}"
+    what = f"causal with Tq {tq} > Tk {tk}" if is_causal and tq > tk else f"window={window!r}"
     raise ValueError(
         f"splash_attention: {what} leaves query row {empty} (of {tq}, padded to {tq_p}) without "
         "any key in the static mask, which splash does not support; use impl='chunked'"
     )
-  static_mask = _static_mask(mask_lib, (tq_p, tk_p), causal=bool(causal), window=window,
+  static_mask = _static_mask(mask_lib, (tq_p, tk_p), is_causal=bool(is_causal), window=window,
                              offset=tk - tq)
   config = kernel_lib.SplashConfig(
       block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,

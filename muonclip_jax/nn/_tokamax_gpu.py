@@ -19,22 +19,17 @@ and 0.0.17):
 
 Both GPU kernels skip the maximum (``m = 0``) when the softmax is not stable, which
 tokamax chooses for soft-capped logits (cap <= 60); this module passes no soft cap, so
-their softmax is always stable here. Neither GPU kernel has run in this project's CI (no
-GPU): only the XLA op runs in the tests, the GPU claims rest on reading their code.
+their softmax is always stable here. The tests run the XLA op; what is said above of
+the GPU kernels rests on reading their code (benchmarks/RESULTS.md).
 The ``triton`` op rests on JAX's Pallas Triton backend, which JAX 0.12 deprecates.
 
-Masks: ``causal`` (bottom-right aligned) uses the op's ``is_causal`` when ``Tq == Tk``;
+Masks: ``is_causal`` (bottom-right aligned) uses the op's ``is_causal`` when ``Tq == Tk``;
 any other mask (segment ids, padding, cross-length causal, an explicit ``mask``) is
 passed as one boolean ``(B, H|1, Tq, Tk)`` array, which the kernels read in tiles but
 which costs ``B * Tq * Tk`` bytes to build. Rows without a visible key report the op's
 mask value (``float32 min``), converted to ``-inf``, and return zeros.
 
 Needs the optional extra ``pip install 'muonclip_jax[tokamax]'``.
-
-Example (CPU: tokamax's XLA op)::
-
-  q = k = v = jnp.ones((1, 8, 2, 8))
-  out, m = tokamax_gpu_attention(q, k, v, softmax_scale=0.35, causal=True, return_max_logits=True)
 """
 
 from __future__ import annotations
@@ -42,9 +37,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .._deprecation import renamed_keywords
 from . import _tokamax_adapter
-from ._attention import _check_and_prepare
-from ._residual_max import head_max, row_max_from_residual
+from ._masking import Static, check_and_prepare, dense_mask, head_max
+from ._residual_max import row_max_from_residual
 
 GPU_IMPLEMENTATIONS = ("mosaic_gpu", "triton")
 
@@ -72,13 +68,14 @@ def _device_capability() -> str | None:
   return getattr(dev, "compute_capability", None)
 
 
+@renamed_keywords(causal="is_causal")
 def tokamax_gpu_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     *,
     softmax_scale: float,
-    causal: bool = False,
+    is_causal: bool = False,
     mask: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
@@ -96,8 +93,18 @@ def tokamax_gpu_attention(
 
   Reverse-mode differentiable (``grad``, ``vjp``: a custom VJP around tokamax's), not
   forward mode (``jvp``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from muonclip_jax.nn import dense_attention, tokamax_gpu_attention
+    >>> q = k = v = jnp.linspace(-1.0, 1.0, 1 * 8 * 2 * 8).reshape(1, 8, 2, 8)
+    >>> out, m = tokamax_gpu_attention(q, k, v, softmax_scale=0.35, is_causal=True,
+    ...                                return_max_logits=True, implementation="xla")  # any backend
+    >>> ref, ref_m = dense_attention(q, k, v, softmax_scale=0.35, is_causal=True, return_max_logits=True)
+    >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-5)), bool(jnp.allclose(m, ref_m))
+    ((1, 8, 2, 8), True, True)
   """
-  q_side, k_side = _check_and_prepare(
+  q_side, k_side = check_and_prepare(
       q, k, v, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       q_mask=q_mask, kv_mask=kv_mask, name="tokamax_gpu_attention",
   )
@@ -117,24 +124,11 @@ def tokamax_gpu_attention(
                      "its residual is not a row maximum")
   b, tq, h, _ = q.shape
   tk = k.shape[1]
-  allowed = None
-  if q_side.segment_ids is not None:
-    allowed = (q_side.segment_ids[:, :, None] == k_side.segment_ids[:, None, :])[:, None]
-  if q_side.mask is not None:
-    part = q_side.mask[:, None, :, None]
-    allowed = part if allowed is None else allowed & part
-  if k_side.mask is not None:
-    part = k_side.mask[:, None, None, :]
-    allowed = part if allowed is None else allowed & part
-  if causal and tq != tk:
-    part = (jnp.arange(tk)[None, :] <= jnp.arange(tq)[:, None] + (tk - tq))[None, None]
-    allowed = part if allowed is None else allowed & part
-  if k_side.pair_mask is not None:  # (Bm, Hkv|1, G|1, Tq, Tk) -> (Bm, H|1, Tq, Tk)
-    pm = k_side.pair_mask
-    pm = pm.reshape(pm.shape[0], pm.shape[1] * pm.shape[2], tq, tk)
-    allowed = pm if allowed is None else allowed & pm
+  # the op's is_causal is used for Tq == Tk only; causal with Tq != Tk (bottom-right) is in the mask
+  cfg = Static(float(softmax_scale), bool(is_causal) and tq != tk, tq, tk, tk, False)
+  allowed = dense_mask(cfg, q_side, k_side)
   run = lambda q, k, v: op(q, k, v, logits_scale=float(softmax_scale), mask=allowed,
-                          is_causal=bool(causal) and tq == tk, return_residuals=True)
+                          is_causal=bool(is_causal) and tq == tk, return_residuals=True)
   out, (m, _) = _tokamax_adapter.allowing_rank_promotion(run)(q, k, v)
   row_max = row_max_from_residual(
       m, log2_units=implementation == "triton" and bool(getattr(op, "use_base2", False)))

@@ -9,15 +9,16 @@ else (which materializes the ``Tq x Tk`` logits). The per-head maxima of QK-Clip
 per block, no softmax, no ``P V``, no gradient (``stop_gradient``), and
 ``O(B * H * Tq * block_size)`` memory.
 
-Cost: one extra ``Q K^T`` over every key block (masked blocks are not skipped), about
-1/7 of a flash forward+backward's matmul FLOPs, about 2/7 under a causal mask (which the
-fused kernels halve). When to prefer it over ``"pallas"``: when the backend's attention
-(cuDNN) is faster than the Pallas kernel by more than that; on TPU (where the Pallas
-kernel only runs in interpret mode) and CPU; for the explicit boolean ``mask`` (which the
-fused kernel does not take); or when the maxima are needed only on some steps (with
-``return_max_logits=False`` it is plain ``dot_product_attention``). Prefer ``"pallas"`` on
-a GPU when the capture runs every step and the kernel is close to cuDNN's speed: its
-capture costs a store of the row maxima, not a second ``Q K^T``.
+Cost: one extra ``Q K^T`` over every key block (masked blocks are not skipped): a flash
+forward and backward do about seven ``Q K^T``-sized matmuls (two forward, five backward),
+so the pass adds about 1/7 of their matmul FLOPs, about 2/7 under a causal mask (which
+the fused kernels halve). When to prefer it over a fused kernel (``"tokamax_gpu"``,
+``"splash"``, ``"pallas"``): when the backend's attention (cuDNN) is faster than the
+fused kernel by more than that; when no fused kernel applies (tokamax not installed, the
+CPU); for the explicit boolean ``mask``, which splash and the Pallas kernel do not take;
+or when the maxima are needed only on some steps (with ``return_max_logits=False`` it is
+plain ``jax.nn.dot_product_attention``). A fused kernel's capture costs a store of the row
+maxima, not a second ``Q K^T``.
 """
 
 from __future__ import annotations
@@ -27,41 +28,40 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ._attention import (
-    _allowed,
-    _check_and_prepare,
-    _group,
-    _head_max,
-    _KeySide,
-    _pad_axis,
-    _scores,
-    _Static,
-    _to_blocks,
+from .._deprecation import renamed_keywords
+from ._masking import (
+    Static,
+    blocked,
+    check_and_prepare,
+    check_block_size,
+    dense_mask,
+    group,
+    grouped_head_max,
+    key_side_blocks,
+    pad_axis,
+    scores,
+    to_blocks,
 )
 
 
-def _max_only(cfg: _Static, q, k, q_side, k_side, nb: int) -> jax.Array:
+def _max_only(cfg: Static, q, k, q_side, k_side, nb: int) -> jax.Array:
   """Per-head maxima ``(H,)`` from a scan over key blocks that keeps only a running max."""
   hkv = k.shape[2]
-  qg = _group(jax.lax.stop_gradient(q), hkv)
-  kb = _to_blocks(jax.lax.stop_gradient(k), 1, nb, cfg.block)
-  kb_side = _KeySide(
-      _to_blocks(k_side.segment_ids, 1, nb, cfg.block),
-      _to_blocks(k_side.mask, 1, nb, cfg.block),
-      _to_blocks(k_side.pair_mask, -1, nb, cfg.block),
-  )
+  qg = group(jax.lax.stop_gradient(q), hkv)
+  kb = to_blocks(jax.lax.stop_gradient(k), 1, nb, cfg.block)
+  kb_side = key_side_blocks(k_side, nb, cfg.block)
 
   def body(m, xs):
     j, k_blk, side = xs
-    s = _scores(cfg, qg, k_blk, q_side, side, j * cfg.block)  # (B, Hkv, G, Tq, bk)
+    s = scores(cfg, qg, k_blk, q_side, side, j * cfg.block)  # (B, Hkv, G, Tq, bk)
     return jnp.maximum(m, jnp.max(s, axis=-1)), None
 
   init = jnp.full(qg.shape[:1] + (hkv, qg.shape[3], qg.shape[1]), -jnp.inf, jnp.float32)
   m, _ = jax.lax.scan(body, init, (jnp.arange(nb, dtype=jnp.int32), kb, kb_side))
-  return _head_max(m)
+  return grouped_head_max(m)
 
 
-def _backend_attention(cfg: _Static, q, k, v, q_side, k_side) -> jax.Array:
+def _backend_attention(cfg: Static, q, k, v, q_side, k_side) -> jax.Array:
   """``jax.nn.dot_product_attention`` under this library's masking contract.
 
   It needs equal q/k/v dtypes and equal key/value widths: inputs are cast to their
@@ -75,19 +75,14 @@ def _backend_attention(cfg: _Static, q, k, v, q_side, k_side) -> jax.Array:
   tk, dv = k.shape[1], v.shape[3]
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
   width = max(d, dv)
-  q, k, v = (_pad_axis(x.astype(dtype), -1, width) for x in (q, k, v))
-  only_causal = cfg.causal and all(
+  q, k, v = (pad_axis(x.astype(dtype), -1, width) for x in (q, k, v))
+  only_causal = cfg.is_causal and all(
       x is None for x in (*q_side, *k_side)
   )
-  mask = None
-  if not (only_causal and tq == tk):
-    allowed = _allowed(cfg, q_side, k_side, 0)
-    if allowed is not None:  # (B|1, Hkv|1, G|1, Tq, Tk|1)
-      allowed = jnp.broadcast_to(allowed, allowed.shape[:3] + (tq, tk))
-      mask = allowed.reshape(allowed.shape[0], allowed.shape[1] * allowed.shape[2], tq, tk)
+  mask = None if only_causal and tq == tk else dense_mask(cfg, q_side, k_side)
   run = functools.partial(
       jax.nn.dot_product_attention, q, k, v, mask=mask, scale=cfg.softmax_scale,
-      is_causal=mask is None and cfg.causal,
+      is_causal=mask is None and cfg.is_causal,
   )
   out = None
   if jax.default_backend() == "gpu" and mask is None and dtype in (jnp.bfloat16, jnp.float16):
@@ -104,13 +99,14 @@ def _backend_attention(cfg: _Static, q, k, v, q_side, k_side) -> jax.Array:
   return out
 
 
+@renamed_keywords(causal="is_causal")
 def dpa_max_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     *,
     softmax_scale: float,
-    causal: bool = False,
+    is_causal: bool = False,
     mask: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
@@ -127,19 +123,30 @@ def dpa_max_attention(
   Args:
     block_size: key block length of the max-only pass (``O(B H Tq block_size)`` memory).
     (the others as in ``dense_attention``)
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from muonclip_jax.nn import dense_attention, dpa_max_attention
+    >>> q = jnp.linspace(-1.0, 1.0, 1 * 5 * 4 * 8).reshape(1, 5, 4, 8)  # 4 query heads
+    >>> k = v = jnp.cos(jnp.arange(1 * 7 * 2 * 8.0)).reshape(1, 7, 2, 8)  # 2 key/value heads
+    >>> pad = jnp.arange(7)[None, :] < 6  # the last key is padding
+    >>> out, m = dpa_max_attention(q, k, v, softmax_scale=0.35, kv_mask=pad, block_size=4,
+    ...                            return_max_logits=True)
+    >>> ref, ref_m = dense_attention(q, k, v, softmax_scale=0.35, kv_mask=pad, return_max_logits=True)
+    >>> m.shape, bool(jnp.allclose(out, ref, atol=1e-6)), bool(jnp.allclose(m, ref_m))
+    ((4,), True, True)
+    >>> dpa_max_attention(q, k, v, softmax_scale=0.35)[1] is None  # no capture: no extra pass
+    True
   """
-  if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-    raise ValueError(f"dpa_max_attention: block_size must be an int >= 1, got {block_size!r}")
-  q_side, k_side = _check_and_prepare(
+  check_block_size(block_size, "dpa_max_attention")
+  q_side, k_side = check_and_prepare(
       q, k, v, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       q_mask=q_mask, kv_mask=kv_mask, name="dpa_max_attention",
   )
   tq, tk = q.shape[1], k.shape[1]
-  whole = _Static(float(softmax_scale), bool(causal), tq, tk, tk, False)
+  whole = Static(float(softmax_scale), bool(is_causal), tq, tk, tk, False)
   out = _backend_attention(whole, q, k, v, q_side, k_side)
   if not return_max_logits:
     return out, None
-  block = min(block_size, tk)
-  nb = -(-tk // block)
-  blocked = _Static(float(softmax_scale), bool(causal), tq, tk, block, nb * block != tk)
-  return out, _max_only(blocked, q, k, q_side, k_side, nb)
+  cfg, nb = blocked(softmax_scale, is_causal, tq, tk, block_size)
+  return out, _max_only(cfg, q, k, q_side, k_side, nb)
