@@ -75,7 +75,7 @@ def _worker(process_id: int, port: int, out_dir: str) -> None:
   state = sharding.init_state(opt, params, ps)
   batches = _batches()
   bs = sharding.batch_shardings(batches[0], mesh)
-  step = sharding.jit_train_step(training.make_train_step(make_loss_fn(CFG), opt, qk_clip_threshold=TAU), ps,
+  step = sharding.jit_train_step(training.make_train_step(make_loss_fn(CFG), opt), ps,
                                  jax.tree.map(lambda x: x.sharding, state), bs)
   losses, clipped = [], []
   for t in range(STEPS):
@@ -119,7 +119,7 @@ def _reference():
   opt = _optimizer(mc, CFG, matrix_axes)
   params = jax.device_get(jax.jit(lambda: init_params(CFG, 0))())
   state = opt.init(params)
-  step = jax.jit(training.make_train_step(make_loss_fn(CFG), opt, qk_clip_threshold=TAU))
+  step = jax.jit(training.make_train_step(make_loss_fn(CFG), opt))
   losses, clipped = [], []
   for t in range(STEPS):
     params, state, metrics = step(params, state, _batches()[t % 2])
