@@ -332,7 +332,7 @@ def _sym_product(P: jax.Array, Q: jax.Array, dtype: Any = None) -> jax.Array:
   return jnp.concatenate([top, jnp.concatenate([_mT(top[..., :, h:]), c22], axis=-1)], axis=-2)
 
 
-def _gram_of(X: jax.Array, tall: bool, dtype: Any = None) -> jax.Array:
+def gram_of(X: jax.Array, tall: bool, dtype: Any = None) -> jax.Array:
   """The smaller Gram matrix: ``X X^T`` of a wide ``X``, ``X^T X`` of a tall one."""
   if tall:
     return _sym_product(_mT(X), X, dtype)
@@ -346,7 +346,7 @@ def _left(P: jax.Array, X: jax.Array, tall: bool, dtype: Any = None) -> jax.Arra
   return jnp.matmul(P, X, preferred_element_type=dtype)
 
 
-def _schatten4_scale(A: jax.Array, norm_scale: float, eps: float) -> jax.Array:
+def schatten4_scale(A: jax.Array, norm_scale: float, eps: float) -> jax.Array:
   """``norm_scale * ||X||_S4 + eps`` from ``A = X X^T`` (float32, keepdims)."""
   af = A.astype(jnp.float32)
   return norm_scale * jnp.sqrt(jnp.sqrt(jnp.sum(af * af, axis=(-2, -1), keepdims=True))) + eps
@@ -365,13 +365,13 @@ def _iterate(X: jax.Array, table: np.ndarray, steps: Any, schatten4: bool, norm_
 
   def body(i, X):
     abc = row(i)
-    A = _gram_of(X, tall)
+    A = gram_of(X, tall)
     if not schatten4:
       return abc[0] * X + _left(_poly(A, abc), X, tall)
     # Step 0 runs on X / s with s = norm_scale * ||X||_S4, folded into the coefficients:
     # with A' = A / s^2, a (X / s) + (b A' + c A'^2) (X / s) = (a / s) X + (P(A') / s) X.
     # Later steps use s = 1 (exact), so the loop stays rolled.
-    s = jnp.where(i == 0, _schatten4_scale(A, norm_scale, eps), 1.0)
+    s = jnp.where(i == 0, schatten4_scale(A, norm_scale, eps), 1.0)
     inv = 1.0 / s
     A = (A.astype(jnp.float32) * (inv * inv)).astype(X.dtype)
     inv = inv.astype(X.dtype)
@@ -380,7 +380,7 @@ def _iterate(X: jax.Array, table: np.ndarray, steps: Any, schatten4: bool, norm_
   return jax.lax.fori_loop(0, steps, body, X)
 
 
-def _apply(Q: jax.Array, X0: jax.Array, tall: bool) -> jax.Array:
+def apply_factor(Q: jax.Array, X0: jax.Array, tall: bool) -> jax.Array:
   """``Q X0`` (or ``X0 Q^T``) for a float32 ``Q``: in X0's dtype, split in two if narrower."""
   if jnp.dtype(X0.dtype).itemsize >= jnp.dtype(Q.dtype).itemsize:
     return _left(Q.astype(X0.dtype), X0, tall)
@@ -393,11 +393,11 @@ def _gram_iterate(X0: jax.Array, table: np.ndarray, steps: Any, schatten4: bool,
                   norm_scale: float, eps: float, restarts: tuple[int, ...], tall: bool) -> jax.Array:
   """Gram Newton–Schulz (module docstring): ``Q_K X_0`` from ``m x m`` iterations."""
   wdtype = jnp.promote_types(X0.dtype, jnp.float32)
-  G = _gram_of(X0, tall, wdtype)
+  G = gram_of(X0, tall, wdtype)
   eye = jnp.broadcast_to(jnp.eye(G.shape[-1], dtype=wdtype), G.shape)
   inv = None  # 1 / s of the Schatten-4 normalization, folded into Q
   if schatten4:
-    s = _schatten4_scale(G, norm_scale, eps).astype(wdtype)
+    s = schatten4_scale(G, norm_scale, eps).astype(wdtype)
     G = G / (s * s)
     inv = 1.0 / s
   table_w = jnp.asarray(table, wdtype)
@@ -410,14 +410,14 @@ def _gram_iterate(X0: jax.Array, table: np.ndarray, steps: Any, schatten4: bool,
     Q, R = None, G  # Q None is the identity
     for k in range(steps):
       if k in restarts:
-        X0 = _apply(Q if inv is None else Q * inv, X0, tall).astype(X0.dtype)
+        X0 = apply_factor(Q if inv is None else Q * inv, X0, tall).astype(X0.dtype)
         inv, Q = None, None
-        R = _gram_of(X0, tall, wdtype)
+        R = gram_of(X0, tall, wdtype)
       H = h_of(R, table_w[min(k, last)])
       Q = H if Q is None else H @ Q
       if k + 1 < steps and k + 1 not in restarts:
         R = _sym_product(H, R @ H)
-    return _apply(Q if inv is None else Q * inv, X0, tall).astype(X0.dtype)
+    return apply_factor(Q if inv is None else Q * inv, X0, tall).astype(X0.dtype)
 
   # Traced step count (inject_hyperparams): a generic loop from Q = I.
   Q0 = eye if inv is None else eye * inv
@@ -428,11 +428,11 @@ def _gram_iterate(X0: jax.Array, table: np.ndarray, steps: Any, schatten4: bool,
     if restarts:
       def restart(c):
         X, Q, _ = c
-        X = _apply(Q, X, tall).astype(X.dtype)
-        return X, eye, _gram_of(X, tall, wdtype)
+        X = apply_factor(Q, X, tall).astype(X.dtype)
+        return X, eye, gram_of(X, tall, wdtype)
       X, Q, R = jax.lax.cond(jnp.any(i == restart_arr), restart, lambda c: c, (X, Q, R))
     H = h_of(R, table_w[jnp.minimum(i, last)])
     return X, H @ Q, _sym_product(H, R @ H)
 
   X, Q, _ = jax.lax.fori_loop(0, steps, body, (X0, Q0, G))
-  return _apply(Q, X, tall).astype(X0.dtype)
+  return apply_factor(Q, X, tall).astype(X0.dtype)

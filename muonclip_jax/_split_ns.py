@@ -117,14 +117,14 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
   r = m // g
   p = jax.lax.axis_index(axes)
   X = x.astype(dtype)
-  gram_f = lambda X, t=None: jax.lax.psum(nsm._gram_of(X, False, t), axes)
+  gram_f = lambda X, t=None: jax.lax.psum(nsm.gram_of(X, False, t), axes)
   A = gram_f(X, jnp.float32)  # X X^T of the input, float32: its trace is ||x||_F^2
   fro = jnp.sqrt(jnp.trace(A, axis1=-2, axis2=-1))[..., None, None]
   denom = fro * (1.0 if it["schatten4"] else it["norm_scale"]) + eps
   X = (x.astype(jnp.float32) / denom).astype(dtype)
   A = A / (denom * denom)
   if it["schatten4"]:
-    s = nsm._schatten4_scale(A, it["norm_scale"], eps)
+    s = nsm.schatten4_scale(A, it["norm_scale"], eps)
     A = A / (s * s)
     X = (X.astype(jnp.float32) / s).astype(dtype)
   if not it["gram"]:
@@ -146,4 +146,4 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
     if k + 1 < K:
       R = _sym_full(jnp.matmul(R_rows, H), H, p, g, axes)  # R H H = H R H
   Q = jax.lax.all_gather(Q_rows, axes, axis=1, tiled=True)
-  return nsm._apply(Q, X, False).astype(x.dtype)
+  return nsm.apply_factor(Q, X, False).astype(x.dtype)

@@ -143,8 +143,8 @@ def test_symmetric_block_products_match_full_products(method, monkeypatch):
   blocked = [mc.newton_schulz(x, **kw), mc.newton_schulz(jnp.swapaxes(x, 1, 2), **kw), mc.newton_schulz(odd, **kw)]
   chex.assert_trees_all_close(blocked, full, atol=2e-5)
   A = jax.random.normal(jax.random.key(8), (16, 40))
-  chex.assert_trees_all_close(ns_lib._gram_of(A, False), A @ A.T, atol=1e-4)
-  chex.assert_trees_all_close(ns_lib._gram_of(A.T, True), A @ A.T, atol=1e-4)
+  chex.assert_trees_all_close(ns_lib.gram_of(A, False), A @ A.T, atol=1e-4)
+  chex.assert_trees_all_close(ns_lib.gram_of(A.T, True), A @ A.T, atol=1e-4)
 
 
 @pytest.mark.parametrize("method", ["standard", "gram"])
