@@ -23,7 +23,7 @@ from .._layouts import GQALayout
 from ._attention import AttentionImpl, attention
 from ._module_args import Initializer, check_input, mask_kwargs, resolve_renamed_fields, validate_common
 from ._rope import YarnScaling, apply_rope
-from ._rope import softmax_scale as _softmax_scale
+from . import _rope  # _rope.softmax_scale: the modules have a property of that name
 from ._sow import capturing, sow_head_max
 
 
@@ -140,7 +140,7 @@ class GroupedQueryAttention(nn.Module):
   @property
   def softmax_scale(self) -> float:
     """``1/sqrt(head_dim)``, times YaRN's ``mscale^2`` when ``yarn`` is set."""
-    return _softmax_scale(self.head_dim, self.yarn)
+    return _rope.softmax_scale(self.head_dim, self.yarn)
 
   @nn.compact
   def __call__(

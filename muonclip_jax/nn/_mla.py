@@ -31,7 +31,7 @@ from .._layouts import MLALayout
 from ._attention import AttentionImpl, attention
 from ._module_args import Initializer, check_input, mask_kwargs, resolve_renamed_fields, validate_common
 from ._rope import YarnScaling, apply_rope
-from ._rope import softmax_scale as _softmax_scale
+from . import _rope  # _rope.softmax_scale: the modules have a property of that name
 from ._sow import capturing, sow_head_max
 
 
@@ -200,7 +200,7 @@ class MultiHeadLatentAttention(nn.Module):
   @property
   def softmax_scale(self) -> float:
     """``1/sqrt(dn + dr)``, times YaRN's ``mscale^2`` when ``yarn`` is set."""
-    return _softmax_scale(self.qk_nope_head_dim + self.qk_rope_head_dim, self.yarn)
+    return _rope.softmax_scale(self.qk_nope_head_dim + self.qk_rope_head_dim, self.yarn)
 
   @nn.compact
   def __call__(

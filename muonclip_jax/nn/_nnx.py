@@ -42,7 +42,7 @@ from ._gqa import gqa_qkv, validate_gqa
 from ._mla import mla_qkv, validate_mla
 from ._module_args import Initializer, check_input, mask_kwargs, renamed_fields
 from ._rope import YarnScaling
-from ._rope import softmax_scale as _softmax_scale
+from . import _rope  # _rope.softmax_scale: the modules have a property of that name
 from ._sow import capturing, sow_head_max
 
 _default_kernel_init = nnx.initializers.lecun_normal()
@@ -145,7 +145,7 @@ class MultiHeadLatentAttentionNNX(nnx.Module):
 
   @property
   def softmax_scale(self) -> float:
-    return _softmax_scale(self._layout.qk_head_dim, self.yarn)
+    return _rope.softmax_scale(self._layout.qk_head_dim, self.yarn)
 
   def __call__(
       self,
@@ -250,7 +250,7 @@ class GroupedQueryAttentionNNX(nnx.Module):
 
   @property
   def softmax_scale(self) -> float:
-    return _softmax_scale(self._layout.head_dim, self.yarn)
+    return _rope.softmax_scale(self._layout.head_dim, self.yarn)
 
   def __call__(
       self,
