@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 
 import muonclip_jax as mc
 from muonclip_jax import _distributed_ns, _newton_schulz, _ns_cost, _ns_hybrid, _ns_planner, _split_ns, sharding
+from _child_env import child_env
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_sharding  # noqa: E402
@@ -342,9 +343,8 @@ def test_split_matrix_compiled_on_16_and_64_devices(devices):
   import json
   import subprocess
 
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   root = os.path.join(os.path.dirname(__file__), "..")
-  env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(root)] + [p for p in [env.get("PYTHONPATH")] if p])
+  env = child_env(PYTHONPATH=os.pathsep.join([os.path.abspath(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
   run = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "_split_child.py"), str(devices)],
                        capture_output=True, text=True, env=env, timeout=600)
   assert run.returncode == 0, run.stderr[-3000:]

@@ -23,6 +23,8 @@ import sys
 import numpy as np
 import pytest
 
+from _child_env import child_env
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 LR, TAU, STEPS = 0.02, 3.0, 3
@@ -132,9 +134,7 @@ def _reference():
 @pytest.mark.skipif(not _gloo_available(), reason="this jaxlib has no gloo CPU collectives")
 def test_two_processes_match_single_device(tmp_path):
   port = _free_port()
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-  env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, os.path.join(ROOT, "examples")])
-  env["JAX_PLATFORMS"] = "cpu"
+  env = child_env(PYTHONPATH=os.pathsep.join([ROOT, HERE, os.path.join(ROOT, "examples")]), JAX_PLATFORMS="cpu")
   procs = []
   try:
     for i in range(2):

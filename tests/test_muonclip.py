@@ -11,6 +11,7 @@ import pytest
 import muonclip_jax as mc
 from muonclip_jax import training
 from muonclip_jax._max_logits import collect_max_logits
+from _exactness import LEGACY_EMITTERS, assert_same_computation
 from _tiny_lm import BATCHES, CFG, init_params, make_loss_fn, matrix_axes
 
 LR = 0.1  # high enough for plain Muon's max logit to pass TAU within a few steps
@@ -19,7 +20,9 @@ STEPS = 8
 LOSS_FN = make_loss_fn(CFG)
 
 
+@jax.jit
 def _max_logits(params, batch):
+  """The forward pass's maxima, compiled once per dtype (eager, each call took ~1 s)."""
   return collect_max_logits(LOSS_FN(params, batch)[1])
 
 
@@ -96,13 +99,16 @@ def test_loss_decreases_with_every_optimizer():
 
 def test_unreachable_or_no_threshold_equals_muon_adamw():
   ref, _, _ = _run(MUON, steps=3)
-  p, _, _ = _run(_muonclip(qk_clip_threshold=None), steps=3)  # off: the same program, the same bits
-  chex.assert_trees_all_equal(p, ref)
+  p, _, _ = _run(_muonclip(qk_clip_threshold=None), steps=3)  # off: the same arithmetic, the same bits
+  if LEGACY_EMITTERS:  # _exactness; three steps carry the forward pass's ulps through Adam too
+    chex.assert_trees_all_close(p, ref, rtol=0, atol=2e-5)
+  else:
+    chex.assert_trees_all_equal(p, ref)
   params = init_params(CFG, 0)
   g = jax.tree.map(jnp.cos, params)
   off = _muonclip(qk_clip_threshold=float("inf"))  # off too, and needs no max_logits
-  chex.assert_trees_all_equal(jax.jit(off.update)(g, off.init(params), params)[0],
-                              jax.jit(MUON.update)(g, MUON.init(params), params)[0])
+  jax.tree.map(assert_same_computation, jax.jit(off.update)(g, off.init(params), params)[0],
+               jax.jit(MUON.update)(g, MUON.init(params), params)[0])
   # A finite but unreachable tau keeps every update (jnp.where picks it), but XLA fuses the
   # larger program differently, so the Muon arithmetic rounds differently (measured 4e-6
   # after three steps at this high learning rate).
