@@ -76,18 +76,21 @@ def test_forward_maxima_clip_is_qk_clip_of_the_update():
   base, clip = mc.muon_adamw(LR, matrix_axes=matrix_axes), _muonclip(qk_clip_threshold=3.0)
   sb, sc = base.init(params), clip.init(params)
   p_ref = p_clip = params
+  forward = jax.jit(lambda p, b: LOSS_FN(p, b)[1])
+  base_update, clip_update = jax.jit(base.update), jax.jit(clip.update)
+  clip_fn = jax.jit(lambda p, m: mc.qk_clip(p, m, qk_clip_threshold=3.0, layout=CFG.layout))
   for t in range(3):
     batch = BATCHES[t % 2]
-    maxima = LOSS_FN(p_clip, batch)[1]
+    maxima = forward(p_clip, batch)
     g = grads_fn(p_clip, batch)
-    ub, sb = base.update(g, sb, p_clip)
-    p_ref = mc.qk_clip(optax.apply_updates(p_clip, ub), maxima, qk_clip_threshold=3.0, layout=CFG.layout)
-    uc, sc = clip.update(g, sc, p_clip, max_logits=maxima)
+    ub, sb = base_update(g, sb, p_clip)
+    p_ref = clip_fn(optax.apply_updates(p_clip, ub), maxima)
+    uc, sc = clip_update(g, sc, p_clip, max_logits=maxima)
     p_clip = optax.apply_updates(p_clip, uc)
     # Documented rounding: at most one float32 ulp of the old or new weight (|w| < 1 here).
     chex.assert_trees_all_close(p_clip, p_ref, rtol=0, atol=1.2e-7)
   # and the clip did fire
-  assert any(float(jnp.max(s)) > 3.0 for s in collect_max_logits(LOSS_FN(params, BATCHES[0])[1]).values())
+  assert any(float(jnp.max(s)) > 3.0 for s in _max_logits(params, BATCHES[0]).values())
 
 
 def test_loss_decreases_with_every_optimizer():
@@ -181,17 +184,17 @@ def test_multi_steps_clips_once_with_the_max_over_all_microbatches():
   ref_opt = _muonclip(qk_clip_threshold=tau)
   mean = jax.tree.map(lambda *g: sum(g) / k, *grads)
   planted = _planted(1, hot=0)[0]
-  u, _ = ref_opt.update(mean, ref_opt.init(params), params, max_logits=planted)
-  # jit vs eager rounding of the Newton–Schulz iteration: ~1e-5 on updates of ~3e-2;
+  u, _ = jax.jit(ref_opt.update)(mean, ref_opt.init(params), params, max_logits=planted)
+  # Two programs' rounding of the Newton–Schulz iteration: ~1e-5 on updates of ~3e-2;
   # taking the last microbatch instead of the maximum would change the hot head by ~1e-1.
   chex.assert_trees_all_close(p, optax.apply_updates(params, u), atol=5e-5)
   # the running maximum starts again after the real update
   np.testing.assert_array_equal(np.asarray(state.max_logits["layers"]["attn"]["max_logits"]), -np.inf)
   # with the plain optax.MultiSteps the first microbatch's logit would be lost:
   plain = optax.MultiSteps(_muonclip(qk_clip_threshold=tau), k)
-  ps, pp = plain.init(params), params
+  ps, pp, plain_update = plain.init(params), params, jax.jit(plain.update)
   for i, m in enumerate(_planted(k, hot=0)):
-    u, ps = plain.update(grads[i], ps, pp, max_logits=m)
+    u, ps = plain_update(grads[i], ps, pp, max_logits=m)
     pp = optax.apply_updates(pp, u)
   assert not np.allclose(pp["layers"]["attn"]["wq_b"]["kernel"][1], p["layers"]["attn"]["wq_b"]["kernel"][1])
 
@@ -215,11 +218,12 @@ def test_scan_microbatches_in_the_train_step_use_the_max_over_all():
   assert int(metrics["num_clipped"]) == 1
   assert float(metrics["min_gamma"]) == pytest.approx(10.0 / hot_value)
   # Reference: mean gradient over the microbatches, one clip with the planted maximum.
-  grads = [jax.grad(lambda q: LOSS_FN(q, tokens[2 * i:2 * i + 2])[0])(params) for i in range(k)]
+  grad_fn = jax.jit(jax.grad(lambda q, b: LOSS_FN(q, b)[0]))
+  grads = [grad_fn(params, tokens[2 * i:2 * i + 2]) for i in range(k)]
   mean = jax.tree.map(lambda *g: sum(g) / k, *grads)
-  u, _ = opt.update(mean, opt.init(params), params,
-                    max_logits={"layers": {"attn": {"max_logits": planted.max(axis=0)}}})
-  # jit vs eager rounding of the Newton–Schulz iteration: ~1e-5 on updates of ~3e-2;
+  u, _ = jax.jit(opt.update)(mean, opt.init(params), params,
+                             max_logits={"layers": {"attn": {"max_logits": planted.max(axis=0)}}})
+  # Two programs' rounding of the Newton–Schulz iteration: ~1e-5 on updates of ~3e-2;
   # taking the last microbatch instead of the maximum would change the hot head by ~1e-1.
   chex.assert_trees_all_close(p, optax.apply_updates(params, u), atol=5e-5)
 

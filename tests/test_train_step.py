@@ -1,5 +1,6 @@
 """make_train_step on models deeper than one attention layer: the exact clip, metrics, rng."""
 
+import functools
 import json
 
 import chex
@@ -18,6 +19,12 @@ from _deep_lm import DeepConfig, batches, init_params, make_loss_fn
 AXES = mc.MatrixAxes((-2,), (-1,))
 CONFIGS = [DeepConfig(a, s) for a in ("mla", "gqa") for s in (True, False)]
 MLA = DeepConfig("mla", True)
+
+
+@functools.cache
+def _forward(loss_fn):
+  """``loss_fn``'s intermediates, compiled once per loss (eager, a 3-layer forward compiles op by op)."""
+  return jax.jit(lambda p, b: loss_fn(p, b)[1])
 
 
 def _head_factors(before, after):
@@ -61,7 +68,7 @@ def test_exact_clip_bounds_every_layer_of_a_deep_model(cfg):
       clipped.append(int(metrics["num_clipped"]))
       assert float(metrics["min_gamma"]) == pytest.approx(float(gamma.min()), rel=1e-4)
       assert float(metrics["clipped_fraction"]) == pytest.approx(int(metrics["num_clipped"]) / gamma.size)
-    after = collect_max_logits(loss_fn(params, batch)[1])
+    after = collect_max_logits(_forward(loss_fn)(params, batch))
     assert sum(s.size // s.shape[-1] for s in after.values()) == cfg.num_layers
     worst = max(float(jnp.max(s)) for s in after.values())
     assert worst <= tau * (1 + 1e-4), (worst, int(metrics["exact_clip_passes"]))
@@ -75,7 +82,7 @@ def test_exact_clip_bounds_every_layer_of_a_deep_model(cfg):
 
 
 def _stats(loss_fn, params, batch, tau):
-  stats = mc.qk_clip_stats(loss_fn(params, batch)[1], qk_clip_threshold=tau).values()
+  stats = mc.qk_clip_stats(_forward(loss_fn)(params, batch), qk_clip_threshold=tau).values()
   return sum(int(jnp.sum(s["num_clipped"])) for s in stats), min(float(jnp.min(s["min_gamma"])) for s in stats)
 
 
@@ -120,7 +127,7 @@ def test_tau_schedule_in_muonclip_and_in_make_train_step():
     assert float(metrics["qk_clip_threshold"]) == float(schedule(t))
     assert int(metrics["num_above_threshold"]) == num_clipped  # what the optimizer's clip scaled
     assert int(metrics["num_clipped"]) >= num_clipped  # and the exact clip's passes on top
-    worst = max(float(jnp.max(s)) for s in collect_max_logits(loss_fn(p, batch)[1]).values())
+    worst = max(float(jnp.max(s)) for s in collect_max_logits(_forward(loss_fn)(p, batch)).values())
     assert worst <= float(schedule(t)) * (1 + 1e-4)
   # a schedule given to make_train_step, for the exact clip after a Muon step without clip
   opt = mc.muon_adamw(0.05, matrix_axes=AXES)
@@ -130,7 +137,7 @@ def test_tau_schedule_in_muonclip_and_in_make_train_step():
   for t, batch in enumerate(batches(3)):
     p, state, metrics = step(p, state, batch)
     assert float(metrics["qk_clip_threshold"]) == float(schedule(t))
-    worst = max(float(jnp.max(s)) for s in collect_max_logits(loss_fn(p, batch)[1]).values())
+    worst = max(float(jnp.max(s)) for s in collect_max_logits(_forward(loss_fn)(p, batch)).values())
     assert worst <= float(schedule(t)) * (1 + 1e-4)
 
 
@@ -148,10 +155,12 @@ def test_dropout_rng_aux_outputs_grad_norm_and_float_metrics_with_microbatches()
   _, _, metrics = step(params, opt.init(params), batch, rng)
   keys = jax.random.split(rng, 2)
   halves = [(batch[:2], keys[0]), (batch[2:], keys[1])]
-  losses = [loss_fn(params, b, r)[0] for b, r in halves]
+  loss_of = jax.jit(lambda p, b, r: loss_fn(p, b, r)[0])  # compiled once (eager: op by op)
+  losses = [loss_of(params, b, r) for b, r in halves]
   assert float(metrics["loss"]) == pytest.approx(float(sum(losses) / 2), rel=1e-5)
-  assert float(base(params, batch[:2], keys[1])[0]) != pytest.approx(float(losses[0]), rel=1e-5)  # dropout is on
-  grads = [jax.grad(lambda p, b=b, r=r: loss_fn(p, b, r)[0])(params) for b, r in halves]
+  assert float(loss_of(params, batch[:2], keys[1])) != pytest.approx(float(losses[0]), rel=1e-5)  # dropout is on
+  grad_of = jax.jit(jax.grad(loss_of))
+  grads = [grad_of(params, b, r) for b, r in halves]
   norm = optax.tree.norm(jax.tree.map(lambda a, b: (a + b) / 2, *grads))
   assert float(metrics["grad_norm"]) == pytest.approx(float(norm), rel=1e-4)
   assert float(metrics["aux"]["first_token"]) == pytest.approx(float(batch[0, 0] + batch[2, 0]) / 2)
@@ -190,7 +199,7 @@ def test_multi_steps_metrics_and_exact_clip_act_only_at_the_real_update():
           assert int(metrics["exact_clip_passes"]) == 0
       elif exact:
         assert int(metrics["exact_clip_passes"]) >= 1
-        worst = max(float(jnp.max(s)) for s in collect_max_logits(loss_fn(new_p, batch)[1]).values())
+        worst = max(float(jnp.max(s)) for s in collect_max_logits(_forward(loss_fn)(new_p, batch)).values())
         assert worst <= tau * (1 + 1e-4)
       else:
         (clip_state,) = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, mc.QKClipState))
