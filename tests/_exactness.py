@@ -14,13 +14,19 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", "").split()
+LEGACY_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"  # conftest.py sets it where XLA has it
 ULPS = 4
+
+
+def legacy_emitters() -> bool:
+  """Whether this run compiles with the legacy fusion emitters (read when asked: conftest.py
+  imports this module before it sets ``XLA_FLAGS``)."""
+  return LEGACY_EMITTERS_FLAG in os.environ.get("XLA_FLAGS", "").split()
 
 
 def assert_same_computation(actual, desired, err_msg: str = "") -> None:
   """``actual == desired`` bit for bit; to ``ULPS`` ulps under the legacy emitters."""
-  if not LEGACY_EMITTERS:
+  if not legacy_emitters():
     np.testing.assert_array_equal(actual, desired, err_msg=err_msg)
     return
   eps = float(jnp.finfo(np.asarray(desired).dtype).eps)

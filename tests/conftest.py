@@ -24,9 +24,10 @@ import subprocess
 import sys
 import tempfile
 
+from _exactness import LEGACY_EMITTERS_FLAG
+
 _CACHE_VAR = "MUONCLIP_JAX_TEST_CACHE"
 _FAST = "--xla_backend_optimization_level=0"
-_LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 
 
 def _xla_accepts(flag: str) -> bool:
@@ -40,7 +41,7 @@ def _xla_accepts(flag: str) -> bool:
 # once; the workers it starts inherit its environment.
 _OWNS_CACHE = _CACHE_VAR not in os.environ
 if _OWNS_CACHE:
-  flags = [_FAST] + ([_LEGACY_EMITTERS] if _xla_accepts(_LEGACY_EMITTERS) else [])
+  flags = [_FAST] + ([LEGACY_EMITTERS_FLAG] if _xla_accepts(LEGACY_EMITTERS_FLAG) else [])
   os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", "")] + flags).strip()
   os.environ[_CACHE_VAR] = tempfile.mkdtemp(prefix="muonclip_jax_tests_")
 
