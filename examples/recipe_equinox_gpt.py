@@ -47,8 +47,8 @@ class Block(eqx.Module):
   def __init__(self, cfg: Config, *, key):
     k_attn, k_fc, k_proj = jax.random.split(key, 3)
     self.ln_1, self.ln_2 = eqx.nn.LayerNorm(cfg.dim), eqx.nn.LayerNorm(cfg.dim)
-    self.attn = eqx.nn.MultiheadAttention(cfg.num_heads, cfg.dim, use_query_bias=True, use_key_bias=True,
-                                          use_value_bias=True, use_output_bias=True, key=k_attn)
+    self.attn = eqx.nn.MultiheadAttention(cfg.num_heads, cfg.dim, use_query_bias=True, use_value_bias=True,
+                                          use_output_bias=True, key=k_attn)  # a key bias shifts no softmax
     self.fc = eqx.nn.Linear(cfg.dim, cfg.mlp_dim, key=k_fc)
     self.proj = eqx.nn.Linear(cfg.mlp_dim, cfg.dim, key=k_proj)
 
