@@ -208,6 +208,7 @@ def scale_by_muon(
       ``optax.contrib.MuonDimensionNumbers``) for all leaves, a pytree of them (``None``
       leaves) matched by path, or a callable from the params to such a pytree
       (``attention_matrix_axes(layout)``). A leaf it leaves at ``None`` is read from its
+      layer's type (an Equinox ``Linear`` weight: ``(*layers, out, in)``), from its
       logical axis names when boxed, is ``(in, out)`` when 2-D, and else raises ValueError
       naming its path and shape (see ``matrix_axes_lookup``). What ``init`` reads from boxed
       params is reused by ``update`` for bare arrays of the same paths and shapes, so under

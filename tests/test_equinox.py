@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import chex
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -211,3 +212,29 @@ def test_the_example_of_from_equinox_runs():
   for t in tests:
     runner.run(t)
   assert tests and runner.summarize(verbose=False).failed == 0
+
+
+def test_multi_steps_and_qk_clip_take_an_equinox_stack_and_its_maxima_tree():
+  """A filter_vmap stack of 3 attention layers, maxima (layers, heads) keyed like the params; two
+  micro-steps whose running maximum clips once, as qk_clip with the maximum does."""
+  stack = eqx.filter_vmap(lambda k: eqx.nn.MultiheadAttention(2, 8, use_query_bias=True, key=k))(
+      jax.random.split(KEY, 3))
+  params = {"blocks": {"attn": eqx.filter(stack, eqx.is_array)}}
+  layout = mc.GQALayout.from_equinox(stack)
+  first = jnp.array([[400.0, 50.0], [50.0, 50.0], [50.0, 900.0]])
+  second = jnp.array([[50.0, 50.0], [200.0, 50.0], [50.0, 50.0]])
+  opt = mc.multi_steps(optax.chain(optax.sgd(0.0), mc.qk_clip_transform(100.0, layout=layout)), 2, layout=layout)
+  state = opt.init(params)
+  assert jax.tree.map(jnp.shape, state.max_logits) == {"blocks": {"attn": {"max_logits": (3, 2)}}}
+  new, update = params, jax.jit(opt.update)
+  for maxima in (first, second):
+    updates, state = update(jax.tree.map(jnp.zeros_like, new), state, new,
+                            max_logits={"blocks": {"attn": {"max_logits": maxima}}})
+    new = optax.apply_updates(new, updates)
+  want = jax.jit(mc.qk_clip, static_argnames=("layout",))(
+      params, {"blocks": {"attn": {"max_logits": jnp.maximum(first, second)}}}, qk_clip_threshold=100.0, layout=layout)
+  chex.assert_trees_all_close(new, want, rtol=1e-6)
+  w, w0 = new["blocks"]["attn"].query_proj.weight, params["blocks"]["attn"].query_proj.weight
+  np.testing.assert_allclose(w[0, :4] / w0[0, :4], 0.5, rtol=1e-6)  # layer 0, head 0's rows: sqrt(100 / 400)
+  np.testing.assert_allclose(w[2, 4:] / w0[2, 4:], 1 / 3, rtol=1e-6)  # layer 2, head 1's rows: sqrt(100 / 900)
+  np.testing.assert_array_equal(w[0, 4:], w0[0, 4:])  # layer 0, head 1 untouched
