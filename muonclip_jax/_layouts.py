@@ -249,7 +249,8 @@ class GQALayout:
       >>> layout = mc.GQALayout.from_equinox(mha)
       >>> layout.num_heads, layout.head_dim, layout.query
       (2, 4, Projection(name='query_proj', leaf='weight', axes=('out', 'in'), parts=None))
-      >>> stacked = eqx.filter_vmap(lambda k: eqx.nn.MultiheadAttention(2, 8, key=k))(jax.random.split(jax.random.key(0), 3))
+      >>> make = lambda k: eqx.nn.MultiheadAttention(num_heads=2, query_size=8, key=k)
+      >>> stacked = eqx.filter_vmap(make)(jax.random.split(jax.random.key(0), 3))
       >>> mc.GQALayout.from_equinox(stacked).key.axes  # 3 layers stacked by filter_vmap
       ('layers', 'out', 'in')
     """

@@ -242,9 +242,9 @@ def detect(
 
   Raises:
     ValueError: a missing projection kernel; a kernel that fits no form or two forms (or
-      not its declared axes); an undeclared square ``weight`` kernel; a bias that does not match its kernel; projections that
-      disagree on the stacked-layer shape; an MLA ``wkv_a`` whose rotary width disagrees
-      with ``lay.qk_rope_head_dim``.
+      not its declared axes); an undeclared square ``weight`` kernel; a bias that does not
+      match its kernel; projections that disagree on the stacked-layer shape; an MLA
+      ``wkv_a`` whose rotary width disagrees with ``lay.qk_rope_head_dim``.
   """
   parts_of = projection_parts(module, lay, shapes, caller)
   missing = missing_projections(module, lay, shapes, caller)
