@@ -318,6 +318,8 @@ def detect(
             f"{caller}: {join(module, spec.kernel)} has shape {shapes[spec.kernel]} with declared "
             f"axes {spec.axes}, i.e. the stacked-layer shape {fl[0][1]}, but "
             f"{join(module, 'max_logits')} has the stacked-layer shape {stack}"
+            + ("; maxima of a forward jax.vmap-ped over the batch keep its batch axis: pass their maximum "
+               "over it" if len(stack) > len(fl[0][1]) else "")
         )
   else:
     common = set.intersection(*({s for _, s in f} for f in fits.values()))

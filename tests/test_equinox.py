@@ -238,3 +238,10 @@ def test_multi_steps_and_qk_clip_take_an_equinox_stack_and_its_maxima_tree():
   np.testing.assert_allclose(w[0, :4] / w0[0, :4], 0.5, rtol=1e-6)  # layer 0, head 0's rows: sqrt(100 / 400)
   np.testing.assert_allclose(w[2, 4:] / w0[2, 4:], 1 / 3, rtol=1e-6)  # layer 2, head 1's rows: sqrt(100 / 900)
   np.testing.assert_array_equal(w[0, 4:], w0[0, 4:])  # layer 0, head 1 untouched
+
+
+def test_maxima_that_keep_the_batch_axis_are_refused_with_the_fix(square):
+  params, s, tau, _ = square
+  layout = mc.GQALayout.from_equinox(eqx.nn.MultiheadAttention(4, 16, key=KEY))
+  with pytest.raises(ValueError, match=r"stacked-layer shape \(2,\).*keep its batch axis: pass their maximum"):
+    mc.qk_clip(params, {"attn": {"max_logits": jnp.stack([s, s])}}, qk_clip_threshold=tau, layout=layout)
