@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from ._checks import check_positive_int
+from ._equinox import attention_projections
 from ._projection import Projection, as_projection, check_qk_projection
 
 
@@ -231,6 +232,30 @@ class GQALayout:
   @property
   def group_size(self) -> int:
     return self.num_heads // self.num_kv_heads
+
+  @classmethod
+  def from_equinox(cls, mha: Any, *, clip_mode: Literal["split", "query"] = "split") -> GQALayout:
+    """The layout of an ``equinox.nn.MultiheadAttention`` (or of a stack of them).
+
+    ``num_heads`` query and key heads of ``qk_size`` columns; the projections are its
+    ``query_proj``/``key_proj`` ``Linear`` weights, declared ``("out", "in")`` (torch's
+    storage), with a ``"layers"`` axis in front for each axis a stack added
+    (``eqx.filter_vmap``): build it from the module as the params hold it
+    (``model.blocks.attn`` of a stacked model, ``model.blocks[0].attn`` of a list).
+
+    Example:
+      >>> import equinox as eqx, jax, muonclip_jax as mc
+      >>> mha = eqx.nn.MultiheadAttention(num_heads=2, query_size=8, key=jax.random.key(0))
+      >>> layout = mc.GQALayout.from_equinox(mha)
+      >>> layout.num_heads, layout.head_dim, layout.query
+      (2, 4, Projection(name='query_proj', leaf='weight', axes=('out', 'in'), parts=None))
+      >>> make = lambda k: eqx.nn.MultiheadAttention(num_heads=2, query_size=8, key=k)
+      >>> stacked = eqx.filter_vmap(make)(jax.random.split(jax.random.key(0), 3))
+      >>> mc.GQALayout.from_equinox(stacked).key.axes  # 3 layers stacked by filter_vmap
+      ('layers', 'out', 'in')
+    """
+    num_heads, head_dim, query, key = attention_projections(mha)
+    return cls(num_heads, num_heads, head_dim, clip_mode, query=query, key=key)
 
 
 Layout = MLALayout | GQALayout

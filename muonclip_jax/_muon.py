@@ -208,6 +208,7 @@ def scale_by_muon(
       ``optax.contrib.MuonDimensionNumbers``) for all leaves, a pytree of them (``None``
       leaves) matched by path, or a callable from the params to such a pytree
       (``attention_matrix_axes(layout)``). A leaf it leaves at ``None`` is read from its
+      layer's type (an Equinox ``Linear`` weight: ``(*layers, out, in)``), from its
       logical axis names when boxed, is ``(in, out)`` when 2-D, and else raises ValueError
       naming its path and shape (see ``matrix_axes_lookup``). What ``init`` reads from boxed
       params is reused by ``update`` for bare arrays of the same paths and shapes, so under
@@ -267,7 +268,7 @@ def scale_by_muon(
   memo = MetadataMemo()  # axes read from boxed params at init, for the bare arrays of update (nnx.Optimizer)
 
   def init_fn(params):
-    lookup = matrix_axes_lookup(matrix_axes, params)
+    lookup = matrix_axes_lookup(matrix_axes, params, rms_match=rms_match)
     # Resolve every leaf now, so that an ambiguous tensor fails at init with its path.
     table = {}
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -281,7 +282,8 @@ def scale_by_muon(
   def update_fn(updates, state, params=None):
     del params
     table = memo.recall(updates)
-    lookup = matrix_axes_lookup(matrix_axes, updates) if table is None else (lambda p, _: table[p])
+    lookup = (matrix_axes_lookup(matrix_axes, updates, rms_match=rms_match) if table is None
+              else (lambda p, _: table[p]))
     mu = jax.tree.map(lambda m, g: (beta * m + g).astype(m.dtype), state.mu, updates)
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     flat_mu = treedef.flatten_up_to(mu)

@@ -119,9 +119,14 @@ class Projection:
 
     if self.axes is None:
       raise ValueError(f"Projection({self.name!r}): matrix_axes needs declared axes")
-    fan_in = tuple(i for i, a in enumerate(self.axes) if a == "in")
-    fan_out = tuple(i for i, a in enumerate(self.axes) if a not in ("in", "layers"))
-    return MatrixAxes(fan_in, fan_out)
+    return declared_matrix_axes(self.axes)
+
+
+def declared_matrix_axes(axes: Sequence[str]) -> MatrixAxes:
+  """Muon's matrix of a kernel stored in declared ``axes``: ``"layers"`` batched, ``"in"`` the fan-in, the rest the fan-out."""
+  fan_in = tuple(i for i, a in enumerate(axes) if a == "in")
+  fan_out = tuple(i for i, a in enumerate(axes) if a not in ("in", "layers"))
+  return MatrixAxes(fan_in, fan_out)
 
 
 def _check_axes(where: str, axes: tuple[str, ...]) -> None:

@@ -42,6 +42,7 @@ from ._projection import as_projection, axes_from_logical, declared_factor, decl
 Shape = tuple[int, ...]
 Part = tuple[str | None, int, int]  # (role or None for never-scaled value columns, heads, width)
 
+TORCH_LEAF = "weight"  # torch's (and Equinox's) name for an (out, in) kernel
 HEAD_MAJOR = "2-D head-major"
 DECLARED = "declared axes"
 DENSE_GENERAL = "DenseGeneral"
@@ -216,6 +217,7 @@ def detect(
     stack: Shape | None = None,
     caller: str = "qk_clip",
     names: Mapping[str, tuple] | None = None,
+    typed: Mapping[str, tuple[str, ...]] | None = None,
 ) -> list[Found]:
   """The query/key projections of one module with their forms, checked against ``lay``.
 
@@ -228,12 +230,21 @@ def detect(
     names: ``{"<projection>/<leaf>": logical axis names}`` of the boxed leaves under
       ``module``; a projection without declared ``axes`` whose kernel has names that tell
       (``axes_from_logical``) is read as declared by them.
+    typed: ``{"<projection>/<leaf>": axes}`` of the kernels whose storage their layer's
+      type tells (an Equinox ``Linear`` weight: ``(*layers, "out", "in")``); a projection
+      without declared ``axes`` is read as declared by them (before logical names).
+
+  A kernel whose axes nothing declares (no ``axes``, type or logical names), whose leaf is
+  named ``weight`` (torch's ``(out, in)`` convention) and whose last two axes are equal is
+  a ValueError: ``(in, out)`` and ``(out, in)`` fit it alike, and reading one for the other
+  would scale the wrong axis (the clip would report heads clipped whose logits it did not
+  bound).
 
   Raises:
     ValueError: a missing projection kernel; a kernel that fits no form or two forms (or
-      not its declared axes); a bias that does not match its kernel; projections that
-      disagree on the stacked-layer shape; an MLA ``wkv_a`` whose rotary width disagrees
-      with ``lay.qk_rope_head_dim``.
+      not its declared axes); an undeclared square ``weight`` kernel; a bias that does not
+      match its kernel; projections that disagree on the stacked-layer shape; an MLA
+      ``wkv_a`` whose rotary width disagrees with ``lay.qk_rope_head_dim``.
   """
   parts_of = projection_parts(module, lay, shapes, caller)
   missing = missing_projections(module, lay, shapes, caller)
@@ -243,20 +254,23 @@ def detect(
         f"{type(lay).__name__} (expected projections {[s.name for s in parts_of]}, named by the "
         f"layout's fields); parameters under {module or '<root>'!r}: {sorted(shapes)}"
     )
-  names = names or {}
+  names, typed = names or {}, typed or {}
   fits: dict[Spec, list[tuple[str, Shape]]] = {}
   for spec, parts in list(parts_of.items()):
     kernel, bias = shapes[spec.kernel], shapes.get(spec.bias)
-    if spec.axes is None and (logical := axes_from_logical(names.get(spec.kernel))) is not None:
-      del parts_of[spec]
-      spec = dataclasses.replace(spec, axes=logical)
-      parts_of[spec] = parts
+    if spec.axes is None:
+      axes = typed.get(spec.kernel) or axes_from_logical(names.get(spec.kernel))
+      if axes is not None:
+        del parts_of[spec]
+        spec = dataclasses.replace(spec, axes=axes)
+        parts_of[spec] = parts
     if spec.axes is not None:
       s = declared_stack(caller, join(module, spec.kernel), spec.axes, kernel, parts,
                          join(module, spec.bias), bias)
       fits[spec] = [(DECLARED, s)]
       continue
     kernel_fits = [(f, s) for f in _forms(parts) if (s := _fits(f, parts, kernel, None)) is not None]
+    torch = spec.leaf == TORCH_LEAF
     if not kernel_fits:
       raise ValueError(
           f"{caller}: {join(module, spec.kernel)} has shape {kernel}"
@@ -264,6 +278,18 @@ def detect(
           f"{lay} ({_describe(parts)}): tried {_expected(parts, stack)}; a kernel stored "
           "otherwise (head axis first, torch-style (out, in), a layer axis that is not "
           "leading) needs its axes declared: muonclip_jax.Projection(name, leaf=..., axes=...)"
+          + (f"; a leaf named '{TORCH_LEAF}' is (out, in) in torch ports and Equinox: "
+             f"Projection({spec.name!r}, leaf='{TORCH_LEAF}', axes=('out', 'in'))" if torch else "")
+      )
+    if torch and kernel[-1] == kernel[-2] and any(f == HEAD_MAJOR for f, _ in kernel_fits):
+      raise ValueError(
+          f"{caller}: {join(module, spec.kernel)} is a square kernel of shape {kernel} named "
+          f"'{TORCH_LEAF}', torch's name for (out, in) storage, and nothing declares its axes (no "
+          "axes=, no logical axis names, no known layer type): (in, out) and (out, in) fit it alike, "
+          "and reading one for the other scales the wrong axis (heads reported clipped whose logits "
+          f"stay above tau). Declare it: muonclip_jax.Projection({spec.name!r}, leaf='{TORCH_LEAF}', "
+          "axes=('out', 'in')) for torch-style storage, axes=('in', 'out') otherwise (with a 'layers' "
+          "axis in front for each stacked-layer axis)"
       )
     if stack is not None:
       on_stack = [(f, s) for f, s in kernel_fits if s == stack]
@@ -292,6 +318,8 @@ def detect(
             f"{caller}: {join(module, spec.kernel)} has shape {shapes[spec.kernel]} with declared "
             f"axes {spec.axes}, i.e. the stacked-layer shape {fl[0][1]}, but "
             f"{join(module, 'max_logits')} has the stacked-layer shape {stack}"
+            + ("; maxima of a forward jax.vmap-ped over the batch keep its batch axis: pass their maximum "
+               "over it" if len(stack) > len(fl[0][1]) else "")
         )
   else:
     common = set.intersection(*({s for _, s in f} for f in fits.values()))

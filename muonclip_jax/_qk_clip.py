@@ -44,6 +44,7 @@ import numpy as np
 from ._boxes import names_by_path
 from ._checks import check_number
 from ._deprecation import renamed_keywords
+from ._equinox import storage_axes
 from ._layouts import GQALayout, MLALayout, check_layout, layout_for, matching_patterns
 from ._max_logits import MAX_LOGITS, collect_max_logits, nest_max_logits
 from ._paths import join, keystr, strip_value
@@ -293,6 +294,7 @@ def qk_clip(params: Any, max_logits: Any, *, qk_clip_threshold: Any, layout: Any
     return params
   maxima = collect_max_logits(max_logits)
   names = names_by_path(params) if names is None else names
+  typed = storage_axes(params)
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
   leaves = [leaf for _, leaf in flat]
   by_module = _by_module(flat)
@@ -308,7 +310,8 @@ def qk_clip(params: Any, max_logits: Any, *, qk_clip_threshold: Any, layout: Any
     index = by_module.get(module, {})
     shapes = {name: jnp.shape(leaves[i]) for name, i in index.items()}
     factors = _role_factors(s, tau, lay)
-    found = detect(module, lay, shapes, stack=s.shape[:-1], names=_names_under(module, names))
+    found = detect(module, lay, shapes, stack=s.shape[:-1], names=_names_under(module, names),
+                   typed=_names_under(module, typed))
     if isinstance(lay, GQALayout):
       check_undeclared_norms(module, lay, shapes, "qk_clip")
       if lay.query_norm is not None:  # QK-norm: the norms' scales, not the kernels
@@ -464,10 +467,11 @@ def init_max_logits(params: Any, layout: Any) -> dict:
       module: {name: jnp.shape(flat[i][1]) for name, i in index.items()}
       for module, index in _by_module(flat).items()
   }
-  names = names_by_path(params)
+  names, typed = names_by_path(params), storage_axes(params)
   tree: dict[str, jax.Array] = {}
   for module, lay in _attention_modules(by_module, layout, "init_max_logits").items():
-    found = detect(module, lay, by_module[module], caller="init_max_logits", names=_names_under(module, names))
+    found = detect(module, lay, by_module[module], caller="init_max_logits", names=_names_under(module, names),
+                   typed=_names_under(module, typed))
     stack = found[0].stack
     tree[module] = jnp.full((*stack, lay.num_heads), -jnp.inf, jnp.float32)
   if isinstance(params, Mapping) and "params" in params and all(

@@ -14,8 +14,10 @@ import jax
 import optax
 
 from ._boxes import is_box, leaf_shape, logical_names, names_by_path
+from ._equinox import storage_axes
 from ._matrix_axes import MatrixAxes, MatrixAxesSpec
 from ._paths import path_str
+from ._projection import declared_matrix_axes
 
 # Logical axis names (Flax's nn.with_logical_partitioning, NNX sharding metadata).
 LAYERS = "layers"  # a stack of layers (nn.scan with metadata_params={nn.PARTITION_NAME: "layers"})
@@ -150,15 +152,25 @@ def _check_batch_names(path: str, shape: tuple[int, ...], names: tuple, axes: Ma
       f"axes). {fix[0].upper() + fix[1:]}, or, if it really is a stack of layers, name that axis '{LAYERS}'")
 
 
-def matrix_axes_lookup(spec: MatrixAxesSpec, tree: Any) -> Callable[[str, tuple[int, ...]], MatrixAxes]:
+def matrix_axes_lookup(spec: MatrixAxesSpec, tree: Any, *,
+                       rms_match: str | None = None) -> Callable[[str, tuple[int, ...]], MatrixAxes]:
   """Turns a ``matrix_axes`` argument into ``(path, shape) -> MatrixAxes``.
 
   ``spec`` is ``None``, one ``MatrixAxes`` (or ``optax.contrib.MuonDimensionNumbers``) for
   every leaf, a pytree of them (``None`` leaves) with the structure of the parameters, or a
   callable from the parameters to such a pytree. Trees are matched by path, so a sub-tree
   (as ``optax.partition`` passes) works too. A leaf the spec leaves at ``None`` is resolved,
-  in order, from its logical axis names when ``tree`` carries them (``axes_from_names``),
-  as ``(in, out)`` when it is 2-D, else with a ValueError naming its path and shape.
+  in order, from the type of the layer that owns it (an Equinox ``Linear`` weight is
+  ``(*layers, out, in)``: ``muonclip_jax._equinox``), from its logical axis names when
+  ``tree`` carries them (``axes_from_names``), as ``(in, out)`` when it is 2-D, else with a
+  ValueError naming its path and shape.
+
+  The 2-D default guesses nothing that changes Muon's result when ``rms_match`` is
+  ``"moonlight"`` or None: the orthogonalized ``(out, in)`` matrix is the transpose of the
+  orthogonalized ``(in, out)`` one, with the same RMS factor. Keller's factor
+  ``sqrt(max(1, fan_out / fan_in))`` does depend on which side is the fan-in, so with
+  ``rms_match="keller"`` an undeclared non-square 2-D leaf named ``weight`` (torch's
+  ``(out, in)`` convention) is a ValueError.
 
   Explicit axes win over logical names, but may not contradict them: an axis the spec makes
   a batch axis must be named ``"layers"`` (or carry no name, as ``nn.scan`` without a
@@ -175,6 +187,7 @@ def matrix_axes_lookup(spec: MatrixAxesSpec, tree: Any) -> Callable[[str, tuple[
     for p, leaf in jax.tree_util.tree_flatten_with_path(spec, is_leaf=_is_spec_leaf)[0]:
       table[path_str(p)] = as_matrix_axes(leaf, f"matrix_axes: leaf at {path_str(p)}")
   names = names_by_path(tree)
+  typed = storage_axes(tree)
 
   def lookup(path: str, shape: tuple[int, ...]) -> MatrixAxes:
     axes = single if table is None else table.get(path)
@@ -182,9 +195,17 @@ def matrix_axes_lookup(spec: MatrixAxesSpec, tree: Any) -> Callable[[str, tuple[
       if path in names:
         _check_batch_names(path, shape, names[path], axes)
       return axes
+    if path in typed:
+      return declared_matrix_axes(typed[path])
     if path in names and not (len(shape) == 2 and None in names[path]):
       return axes_from_names(path, shape, names[path])
     if len(shape) == 2:
+      if rms_match == "keller" and shape[0] != shape[1] and path.rpartition("/")[2] == "weight":
+        raise ValueError(
+            f"{path}: a {shape[0]}x{shape[1]} leaf named 'weight' (torch's (out, in) convention?) whose axes "
+            "nothing declares; rms_match='keller' scales by sqrt(max(1, fan_out / fan_in)), which depends on "
+            "which side is the fan-in: pass matrix_axes=MatrixAxes(fan_in=(1,), fan_out=(0,)) for (out, in) "
+            "storage (MatrixAxes((0,), (1,)) for (in, out)), or a pytree of them")
       return MatrixAxes((0,), (1,))
     raise _undeclared(path, shape)
 

@@ -193,3 +193,68 @@ def test_nnx_optimizer_init_and_update_route_alike():
   u, _ = ref.update(nnx.to_pure_dict(grads), ref.init(plain), plain)
   chex.assert_trees_all_close(nnx.to_pure_dict(nnx.state(model, nnx.Param)), optax.apply_updates(plain, u),
                               atol=1e-6)
+
+
+class _ScannedGain(nn.Module):
+  """``nn.scan`` without logical names over a block with a gain that is not named ``scale``."""
+
+  @nn.compact
+  def __call__(self, x):
+    class Block(nn.Module):
+      @nn.compact
+      def __call__(self, x, _):
+        gain = self.param("gain", nn.initializers.ones, (x.shape[-1],))
+        return x + nn.Dense(x.shape[-1], use_bias=False, name="mlp")(x * gain[None, :]), None
+
+    return nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)(name="layers")(x, None)[0]
+
+
+def _flat_labels(params):
+  from muonclip_jax._paths import path_str
+
+  return {path_str(p): l for p, l in jax.tree_util.tree_flatten_with_path(mc.muon_labels(params))[0]}
+
+
+def test_stacked_vectors_go_to_adamw_when_their_stack_shows_the_layer_axis():
+  """A vector per layer of a stack, (layers, dim), is not a matrix: nn.scan without names, an Equinox
+  filter_vmap stack of a layer type the library does not know, a hand-made stack."""
+  import equinox as eqx
+
+  flax_params = jax.eval_shape(_ScannedGain().init, jax.random.key(0), jnp.ones((2, 8)))["params"]
+  assert _flat_labels(flax_params) == {"layers/gain": "adam", "layers/mlp/kernel": "muon"}
+
+  class Custom(eqx.Module):  # an unknown type holding a raw gain next to a Linear
+    gain: jax.Array
+    proj: eqx.nn.Linear
+
+    def __init__(self, key):
+      self.gain, self.proj = jnp.ones(8), eqx.nn.Linear(8, 8, use_bias=False, key=key)
+
+  stacked = eqx.filter(eqx.filter_vmap(Custom)(jax.random.split(jax.random.key(0), 3)), eqx.is_array)
+  assert _flat_labels({"blocks": stacked}) == {"blocks/gain": "adam", "blocks/proj/weight": "muon"}
+  by_hand = {"layers": {"ffn": {"w_in": jnp.ones((3, 8, 16)), "w_out": jnp.ones((3, 16, 8))},
+                        "gate_gain": jnp.ones((3, 8)), "w_gate": jnp.ones((3, 8, 8))},
+             "final": {"w": jnp.ones((8, 8)), "b": jnp.ones((8,))}}
+  assert _flat_labels(by_hand) == {"layers/ffn/w_in": "muon", "layers/ffn/w_out": "muon",
+                                   "layers/gate_gain": "adam", "layers/w_gate": "muon",
+                                   "final/w": "muon", "final/b": "adam"}
+
+
+def test_what_shows_no_stack_keeps_its_matrices_and_the_listed_rules_decide():
+  from muonclip_jax._labels import default_label
+
+  # unstacked modules: a rank-1 vector, or leading sizes that differ, show there is no stack
+  dense_general = {"attn": {"q": jnp.ones((16, 2, 8)), "k": jnp.ones((16, 2, 8)), "o": jnp.ones((16, 16)),
+                            "o_bias": jnp.ones((16,))}}
+  assert _flat_labels(dense_general)["attn/o"] == "muon"
+  mlp = {"mlp": {"w1": jnp.ones((16, 64)), "w2": jnp.ones((64, 16)), "w3": jnp.ones((16, 2, 32))}}
+  assert set(_flat_labels(mlp).values()) == {"muon"}
+  only_2d = {"attn": {"wq": jnp.ones((16, 16)), "wk": jnp.ones((16, 16))}}  # no stacked matrix: nothing shows
+  assert set(_flat_labels(only_2d).values()) == {"muon"}
+  # nothing shows the stack: a lone (layers, dim) leaf is read as a matrix (rule 10), unless named as a norm
+  assert _flat_labels({"gains": jnp.ones((3, 16))}) == {"gains": "muon"}
+  assert _flat_labels({"final_norm": {"weight": jnp.ones((3, 16))}}) == {"final_norm/weight": "adam"}
+  assert default_label("h/ln_f/weight", (3, 16)) == default_label("h/ln_1/g", (3, 16)) == "adam"
+  # logical names: fewer than two axes besides "layers" is a vector per layer
+  assert default_label("blocks/gain", (3, 16), ("layers", "embed")) == "adam"
+  assert default_label("blocks/w", (3, 16, 16), ("layers", "embed", "mlp")) == "muon"

@@ -23,7 +23,8 @@ that sows the same ``max_logits``; ``dot_product_attention_weights`` is the same
 ``flax.linen.dot_product_attention_weights`` (Hugging Face Flax models: a one-line patch), and
 ``sow_max_logits(module, logits, mask=..., head_axis=...)`` sows them from logits computed by
 hand. ``attention``/``dot_product_attention`` take ``logits_soft_cap``; the counted logit is
-the one before the cap.
+the one before the cap. ``equinox_attention(mha, query, key_, value, mask)`` runs an
+``equinox.nn.MultiheadAttention`` and returns ``(out, max_logits)``.
 """
 
 from ._attention import ATTENTION_IMPLS as ATTENTION_IMPLS
@@ -34,6 +35,7 @@ from ._deepseek import mla_from_hf_config as mla_from_hf_config
 from ._deepseek import mla_nnx_from_hf_config as mla_nnx_from_hf_config
 from ._dense import dense_attention as dense_attention
 from ._dpa_max import dpa_max_attention as dpa_max_attention
+from .._equinox import equinox_attention as equinox_attention
 from ._flash_pallas import pallas_attention as pallas_attention
 from ._flax_attention import dot_product_attention as dot_product_attention
 from ._flax_weights import dot_product_attention_weights as dot_product_attention_weights

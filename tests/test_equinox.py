@@ -1,0 +1,248 @@
+"""Equinox models: roles read from the layer types, ``equinox_attention``, ``GQALayout.from_equinox``,
+and square torch-style kernels that nothing declares.
+
+The adapter (``muonclip_jax/_equinox.py``) was read from equinox 0.13.8; these tests fail if the
+parts of Equinox it relies on move (the ``eqx.nn`` classes and their fields, and
+``MultiheadAttention``'s ``process_heads`` seeing the heads that enter its attention).
+"""
+
+import os
+import subprocess
+import sys
+
+import chex
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import muonclip_jax as mc
+from muonclip_jax import nn as mnn
+from muonclip_jax._equinox import EMBEDDING, GAIN, MATRIX, VECTOR, leaf_roles
+from muonclip_jax._paths import path_str
+from _child_env import child_env
+
+KEY = jax.random.key(0)
+
+
+def test_the_library_imports_without_equinox():
+  code = ("import sys, muonclip_jax, muonclip_jax.nn, muonclip_jax.training, muonclip_jax.sharding; "
+          "assert 'equinox' not in sys.modules, 'muonclip_jax imported equinox'")
+  out = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True,
+                       cwd=os.path.join(os.path.dirname(__file__), ".."))
+  assert out.returncode == 0, out.stderr
+
+
+class Mixed(eqx.Module):
+  linear: eqx.nn.Linear
+  embed: eqx.nn.Embedding
+  layer_norm: eqx.nn.LayerNorm
+  rms_norm: eqx.nn.RMSNorm
+  group_norm: eqx.nn.GroupNorm
+  custom: eqx.Module  # a Linear subclass: its storage is not assumed
+  conv: eqx.nn.Conv1d  # a type the adapter does not know
+
+  def __init__(self, key):
+    k = jax.random.split(key, 4)
+    self.linear = eqx.nn.Linear(8, 12, key=k[0])
+    self.embed = eqx.nn.Embedding(20, 8, key=k[1])
+    self.layer_norm, self.rms_norm, self.group_norm = eqx.nn.LayerNorm(8), eqx.nn.RMSNorm(8), eqx.nn.GroupNorm(2, 8)
+    self.custom = MyLinear(8, 4, key=k[2])
+    self.conv = eqx.nn.Conv1d(4, 6, 3, use_bias=False, key=k[3])
+
+
+class MyLinear(eqx.nn.Linear):
+  pass
+
+
+def test_roles_come_from_the_layer_types_stacked_or_not():
+  single = eqx.filter_eval_shape(lambda k: eqx.filter(Mixed(k), eqx.is_array), KEY)  # shapes are all it reads
+  stacked = eqx.filter_eval_shape(lambda k: eqx.filter(eqx.filter_vmap(Mixed)(k), eqx.is_array),
+                                  jax.random.split(KEY, 3))
+  expected = {"linear/weight": MATRIX, "linear/bias": VECTOR, "embed/weight": EMBEDDING,
+              "layer_norm/weight": GAIN, "layer_norm/bias": GAIN, "rms_norm/weight": GAIN, "rms_norm/bias": GAIN,
+              "group_norm/weight": GAIN, "group_norm/bias": GAIN}
+  for params, lead in ((single, ()), (stacked, ("layers",))):
+    roles = leaf_roles(params)
+    assert {p: r.kind for p, r in roles.items()} == expected  # custom/* and conv/* are not typed
+    assert roles["linear/weight"].axes == (*lead, "out", "in") and roles["linear/weight"].layer == "Linear"
+    labels = {path_str(p): l for p, l in jax.tree_util.tree_flatten_with_path(mc.muon_labels(params))[0]}
+    assert {p for p, l in labels.items() if l == "muon"} == {"linear/weight", "custom/weight", "conv/weight"}
+  # Muon batches the stacked layers of a Linear weight (3, out, in): each layer's (out, in) matrix alone
+  opt = mc.scale_by_muon()
+  tree = eqx.filter(eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 12, use_bias=False, key=k))(jax.random.split(KEY, 3)),
+                    eqx.is_array)
+  alone = {str(i): w for i, w in enumerate(tree.weight)}  # (12, 8) each: Muon's result does not depend on
+  got, ref = jax.jit(lambda t, a: (opt.update(t, opt.init(t))[0].weight, opt.update(a, opt.init(a))[0]))(tree, alone)
+  assert got.shape == (3, 12, 8)  # which side is the fan-in (test below)
+  for i in range(3):
+    np.testing.assert_allclose(got[i], ref[str(i)], rtol=1e-5, atol=1e-6)
+
+
+def test_whole_matrix_muon_does_not_depend_on_the_orientation_except_keller():
+  """An undeclared 2-D leaf is read (in, out); Moonlight's matching gives the same update for (out, in)."""
+  w = jax.random.normal(KEY, (12, 8))  # torch-style (out, in)
+  torch = mc.MatrixAxes(fan_in=(1,), fan_out=(0,))
+  for rms_match in ("moonlight", None):
+    default, declared = mc.scale_by_muon(rms_match=rms_match), mc.scale_by_muon(rms_match=rms_match, matrix_axes=torch)
+    a = default.update({"weight": w}, default.init({"weight": w}))[0]["weight"]
+    b = declared.update({"weight": w}, declared.init({"weight": w}))[0]["weight"]
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+  with pytest.raises(ValueError, match=r"weight: a 12x8 leaf named 'weight'.*keller.*MatrixAxes\(fan_in=\(1,\)"):
+    mc.scale_by_muon(rms_match="keller").init({"weight": w})
+  mc.scale_by_muon(rms_match="keller", matrix_axes=torch).init({"weight": w})  # declared: fine
+  lin = eqx.filter(eqx.nn.Linear(8, 12, use_bias=False, key=KEY), eqx.is_array)
+  mc.scale_by_muon(rms_match="keller").init(lin)  # read from its type: fine
+
+
+def np_max_logits(q, k, mask):
+  """Per-head max over queries and allowed keys of q.k / sqrt(d) (float64); q (T, H, d), k (S, H, d)."""
+  s = np.einsum("qhd,khd->hqk", np.float64(q), np.float64(k)) / np.sqrt(q.shape[-1])
+  return np.where(np.broadcast_to(mask, s.shape), s, -np.inf).max(axis=(1, 2))
+
+
+def test_equinox_attention_is_the_module_with_its_maxima():
+  mha = eqx.nn.MultiheadAttention(2, 12, key_size=10, value_size=6, qk_size=5, vo_size=3, use_query_bias=True,
+                                  use_key_bias=True, dropout_p=0.5, key=KEY)
+  kq, kk, kv, kd = jax.random.split(jax.random.key(1), 4)
+  query, key_, value = (jax.random.normal(kq, (5, 12)), jax.random.normal(kk, (7, 10)),
+                        jax.random.normal(kv, (7, 6)))
+  causal = jnp.tril(jnp.ones((5, 7), bool))
+  per_head = jnp.stack([causal, causal.at[2].set(False)])  # head 1: query row 2 sees no key
+  double_q = lambda q, k, v: (2.0 * q, k, v)  # noqa: E731
+
+  def cases(mha, query, key_, value, causal, per_head, dropout_key):
+    out = {}
+    for name, mask, ph in (("none", None, None), ("causal", causal, None), ("per_head", per_head, None),
+                           ("process_heads", causal, double_q)):
+      ours = mnn.equinox_attention(mha, query, key_, value, mask, inference=True, process_heads=ph)
+      out[name] = ours + (mha(query, key_, value, mask, inference=True, process_heads=ph),)
+    ours = mnn.equinox_attention(mha, query, key_, value, causal, key=dropout_key, inference=False)
+    out["dropout"] = ours + (mha(query, key_, value, causal, key=dropout_key, inference=False),)
+    return out
+
+  results = eqx.filter_jit(cases)(mha, query, key_, value, causal, per_head, kd)
+  q = np.asarray(jax.vmap(mha.query_proj)(query)).reshape(5, 2, 5)
+  k = np.asarray(jax.vmap(mha.key_proj)(key_)).reshape(7, 2, 5)
+  full = np.ones((5, 7), bool)
+  expected = {"none": np_max_logits(q, k, full), "causal": np_max_logits(q, k, causal),
+              "per_head": np_max_logits(q, k, per_head), "process_heads": np_max_logits(2 * q, k, causal),
+              "dropout": np_max_logits(q, k, causal)}
+  for name, (out, max_logits, module_out) in results.items():
+    np.testing.assert_array_equal(out, module_out, err_msg=name)  # the module's own output, bit for bit
+    assert max_logits.shape == (2,) and max_logits.dtype == jnp.float32
+    np.testing.assert_allclose(max_logits, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+  assert not np.array_equal(results["dropout"][0], results["causal"][0])  # dropout did act
+  with pytest.raises(TypeError, match="equinox.nn.MultiheadAttention"):
+    mnn.equinox_attention(mha.query_proj, query, key_, value)
+
+
+def test_layout_from_an_equinox_attention_single_or_stacked():
+  mha = eqx.nn.MultiheadAttention(4, 16, qk_size=3, key=KEY)
+  layout = mc.GQALayout.from_equinox(mha, clip_mode="query")
+  assert (layout.num_heads, layout.num_kv_heads, layout.head_dim, layout.clip_mode) == (4, 4, 3, "query")
+  assert layout.query == mc.Projection("query_proj", leaf="weight", axes=("out", "in"))
+  assert layout.key == mc.Projection("key_proj", leaf="weight", axes=("out", "in"))
+  stacked = eqx.filter_vmap(lambda k: eqx.nn.MultiheadAttention(4, 16, key=k))(jax.random.split(KEY, 2))
+  assert mc.GQALayout.from_equinox(stacked).query.axes == ("layers", "out", "in")
+  with pytest.raises(TypeError, match="GQALayout.from_equinox: expected an equinox.nn.MultiheadAttention"):
+    mc.GQALayout.from_equinox(mha.query_proj)
+
+
+@pytest.fixture(scope="module")
+def square():
+  """One Equinox attention with square (out, in) = (16, 16) q/k kernels, its maxima on a batch, and tau."""
+  mha = eqx.nn.MultiheadAttention(4, 16, use_query_bias=True, use_key_bias=True, key=jax.random.key(3))
+  x = 3.0 * jax.random.normal(jax.random.key(4), (2, 6, 16))
+  mask = jnp.tril(jnp.ones((6, 6), bool))
+
+  @eqx.filter_jit
+  def maxima(params):
+    attn = eqx.combine(params, eqx.filter(mha, eqx.is_array, inverse=True))
+    return jax.vmap(lambda xb: mnn.equinox_attention(attn, xb, xb, xb, mask)[1])(x).max(axis=0)
+
+  params = {"attn": eqx.filter(mha, eqx.is_array)}
+  s = maxima(params["attn"])
+  return params, s, 0.5 * float(jnp.min(s)), maxima  # every head above tau
+
+
+def test_square_out_in_kernels_with_nothing_declared_are_exact_or_refused(square):
+  """The issue's case: a square torch-style kernel read as (in, out) was reported clipped but not bounded."""
+  params, s, tau, maxima = square
+  intermediates = {"attn": {"max_logits": s}}
+  assert int(mc.qk_clip_stats(intermediates, qk_clip_threshold=tau)["attn"]["num_clipped"]) == 4
+  undeclared = mc.GQALayout(4, 4, 4, query=mc.Projection("query_proj", leaf="weight"),
+                            key=mc.Projection("key_proj", leaf="weight"))
+  declared = mc.GQALayout(4, 4, 4, query=mc.Projection("query_proj", leaf="weight", axes=("out", "in")),
+                          key=mc.Projection("key_proj", leaf="weight", axes=("out", "in")))
+  wrong = mc.GQALayout(4, 4, 4, query=mc.Projection("query_proj", leaf="weight", axes=("in", "out")),
+                       key=mc.Projection("key_proj", leaf="weight", axes=("in", "out")))
+  # Equinox params: the Linear type tells (out, in); exactly what declaring it gives, and bounded
+  by_type = mc.qk_clip(params, intermediates, qk_clip_threshold=tau, layout=undeclared)
+  by_axes = mc.qk_clip(params, intermediates, qk_clip_threshold=tau, layout=declared)
+  jax.tree.map(np.testing.assert_array_equal, by_type, by_axes)
+  assert (maxima(by_type["attn"]) <= tau * (1 + 1e-5)).all()
+  # the wrong reading reports 4 heads clipped and leaves some above tau: what the refusal prevents
+  misread = maxima(mc.qk_clip(params, intermediates, qk_clip_threshold=tau, layout=wrong)["attn"])
+  assert (misread > tau * (1 + 1e-3)).any()
+  # the same arrays as a plain dict: nothing tells the axes, so the clip (and the optimizer) refuse
+  plain = {"attn": {n: {"weight": getattr(params["attn"], n).weight, "bias": getattr(params["attn"], n).bias}
+                    for n in ("query_proj", "key_proj")}}
+  with pytest.raises(ValueError, match=r"attn/query_proj/weight is a square kernel of shape \(16, 16\) named "
+                                       r"'weight'.*axes=\('out', 'in'\)"):
+    mc.qk_clip(plain, intermediates, qk_clip_threshold=tau, layout=undeclared)
+  opt = mc.qk_clip_transform(tau, layout=undeclared)
+  with pytest.raises(ValueError, match="square kernel"):
+    opt.update(jax.tree.map(jnp.zeros_like, plain), opt.init(plain), plain, max_logits=intermediates)
+  with pytest.raises(ValueError, match="square kernel"):
+    mc.init_max_logits(plain, undeclared)
+  # a non-square torch-style weight fits only (out, in): refused, with the declaration to write
+  tall = {"attn": {"query_proj": {"weight": jnp.ones((16, 12))}, "key_proj": {"weight": jnp.ones((16, 12))}}}
+  with pytest.raises(ValueError, match=r"query_proj/weight has shape \(16, 12\).*torch ports and Equinox: "
+                                       r"Projection\('query_proj', leaf='weight', axes=\('out', 'in'\)\)"):
+    mc.qk_clip(tall, intermediates, qk_clip_threshold=tau, layout=undeclared)
+
+
+def test_the_example_of_from_equinox_runs():
+  import doctest
+
+  tests = doctest.DocTestFinder(recurse=False).find(mc.GQALayout.from_equinox, "from_equinox", globs={})
+  runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+  for t in tests:
+    runner.run(t)
+  assert tests and runner.summarize(verbose=False).failed == 0
+
+
+def test_multi_steps_and_qk_clip_take_an_equinox_stack_and_its_maxima_tree():
+  """A filter_vmap stack of 3 attention layers, maxima (layers, heads) keyed like the params; two
+  micro-steps whose running maximum clips once, as qk_clip with the maximum does."""
+  stack = eqx.filter_vmap(lambda k: eqx.nn.MultiheadAttention(2, 8, use_query_bias=True, key=k))(
+      jax.random.split(KEY, 3))
+  params = {"blocks": {"attn": eqx.filter(stack, eqx.is_array)}}
+  layout = mc.GQALayout.from_equinox(stack)
+  first = jnp.array([[400.0, 50.0], [50.0, 50.0], [50.0, 900.0]])
+  second = jnp.array([[50.0, 50.0], [200.0, 50.0], [50.0, 50.0]])
+  opt = mc.multi_steps(optax.chain(optax.sgd(0.0), mc.qk_clip_transform(100.0, layout=layout)), 2, layout=layout)
+  state = opt.init(params)
+  assert jax.tree.map(jnp.shape, state.max_logits) == {"blocks": {"attn": {"max_logits": (3, 2)}}}
+  new, update = params, jax.jit(opt.update)
+  for maxima in (first, second):
+    updates, state = update(jax.tree.map(jnp.zeros_like, new), state, new,
+                            max_logits={"blocks": {"attn": {"max_logits": maxima}}})
+    new = optax.apply_updates(new, updates)
+  want = jax.jit(mc.qk_clip, static_argnames=("layout",))(
+      params, {"blocks": {"attn": {"max_logits": jnp.maximum(first, second)}}}, qk_clip_threshold=100.0, layout=layout)
+  chex.assert_trees_all_close(new, want, rtol=1e-6)
+  w, w0 = new["blocks"]["attn"].query_proj.weight, params["blocks"]["attn"].query_proj.weight
+  np.testing.assert_allclose(w[0, :4] / w0[0, :4], 0.5, rtol=1e-6)  # layer 0, head 0's rows: sqrt(100 / 400)
+  np.testing.assert_allclose(w[2, 4:] / w0[2, 4:], 1 / 3, rtol=1e-6)  # layer 2, head 1's rows: sqrt(100 / 900)
+  np.testing.assert_array_equal(w[0, 4:], w0[0, 4:])  # layer 0, head 1 untouched
+
+
+def test_maxima_that_keep_the_batch_axis_are_refused_with_the_fix(square):
+  params, s, tau, _ = square
+  layout = mc.GQALayout.from_equinox(eqx.nn.MultiheadAttention(4, 16, key=KEY))
+  with pytest.raises(ValueError, match=r"stacked-layer shape \(2,\).*keep its batch axis: pass their maximum"):
+    mc.qk_clip(params, {"attn": {"max_logits": jnp.stack([s, s])}}, qk_clip_threshold=tau, layout=layout)
