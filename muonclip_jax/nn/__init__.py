@@ -7,7 +7,7 @@ Linen: ``MultiHeadLatentAttention`` (DeepSeek-V3 MLA) and ``GroupedQueryAttentio
 Each module's ``layout`` property is the ``MLALayout``/``GQALayout`` for ``qk_clip``.
 
 The pure functions ``attention``, ``dense_attention``, ``chunked_attention``,
-``pallas_attention`` (fused Pallas Triton kernel, deprecated), ``dpa_max_attention``
+``dpa_max_attention``
 (``jax.nn.dot_product_attention`` plus a max-only pass), ``splash_attention`` (tokamax's
 TPU splash kernel) and ``tokamax_gpu_attention`` (tokamax's Mosaic GPU / Triton kernels;
 both need the ``tokamax`` extra) return ``(out, max_logits)``; ``attention(impl="auto")``
@@ -34,7 +34,6 @@ from ._deepseek import mla_from_hf_config as mla_from_hf_config
 from ._deepseek import mla_nnx_from_hf_config as mla_nnx_from_hf_config
 from ._dense import dense_attention as dense_attention
 from ._dpa_max import dpa_max_attention as dpa_max_attention
-from ._flash_pallas import pallas_attention as pallas_attention
 from ._flax_attention import dot_product_attention as dot_product_attention
 from ._flax_weights import dot_product_attention_weights as dot_product_attention_weights
 from ._gqa import GroupedQueryAttention as GroupedQueryAttention

@@ -13,7 +13,6 @@ and each lives in its own module:
 * ``"dense"`` (``_dense``): the materialized reference, ``O(Tq * Tk)`` memory.
 * ``"chunked"`` (``_chunked``): online softmax in a ``lax.scan`` over key blocks; its
   running row maximum is the capture.
-* ``"pallas"`` (``_flash_pallas``): a fused Pallas Triton kernel (deprecated).
 * ``"dpa_max"`` (``_dpa_max``): ``jax.nn.dot_product_attention`` plus a max-only pass.
 * ``"splash"`` (``_splash``) and ``"tokamax_gpu"`` (``_tokamax_gpu``): tokamax's maintained
   TPU and GPU kernels (the optional ``tokamax`` extra, imported only when called).
@@ -29,21 +28,18 @@ from typing import Literal
 
 import jax
 
-from .._deprecation import renamed_keywords
 from ._auto import resolve_impl
 from ._chunked import chunked_attention
 from ._dense import dense_attention
 from ._dpa_max import dpa_max_attention
-from ._flash_pallas import pallas_attention
 from ._soft_cap import check_soft_cap
 from ._splash import splash_attention
 from ._tokamax_gpu import tokamax_gpu_attention
 
-AttentionImpl = Literal["auto", "dense", "chunked", "pallas", "dpa_max", "splash", "tokamax_gpu"]
-ATTENTION_IMPLS: tuple[str, ...] = ("auto", "dense", "chunked", "pallas", "dpa_max", "splash", "tokamax_gpu")
+AttentionImpl = Literal["auto", "dense", "chunked", "dpa_max", "splash", "tokamax_gpu"]
+ATTENTION_IMPLS: tuple[str, ...] = ("auto", "dense", "chunked", "dpa_max", "splash", "tokamax_gpu")
 
 
-@renamed_keywords(causal="is_causal")
 def attention(
     q: jax.Array,
     k: jax.Array,
@@ -66,9 +62,6 @@ def attention(
   * ``"dense"``: ``dense_attention``, the materialized reference.
   * ``"chunked"``: ``chunked_attention``, online softmax in ``lax.scan`` (key blocks of
     ``block_size``).
-  * ``"pallas"``: ``pallas_attention``, the fused Pallas flash kernel (Triton on GPU,
-    interpret mode on the CPU, an error on TPU); tiles of ``min(block_size, 64)`` rounded down to a power of
-    two. Does not take the explicit ``mask`` (``ValueError``).
   * ``"dpa_max"``: ``dpa_max_attention``, ``jax.nn.dot_product_attention`` (cuDNN where
     it applies) plus a max-only pass over key blocks of ``block_size``.
 
@@ -80,8 +73,7 @@ def attention(
     the masks (splash on TPU, ``tokamax_gpu`` on GPU, ``dense`` on CPU), logging any
     fallback.
 
-  See ``dense_attention`` for the arguments and outputs, which all share (``is_causal``'s
-  deprecated spelling ``causal`` still works, with a DeprecationWarning).
+  See ``dense_attention`` for the arguments and outputs, which all share.
   ``logits_soft_cap`` (``cap * tanh(s / cap)`` before the softmax; the maxima stay those of
   the logits before the cap) is supported by ``"dense"``, and by ``"splash"`` without
   ``return_max_logits`` (splash keeps only the capped maximum); any other ``impl`` with a
@@ -111,8 +103,6 @@ def attention(
     return dense_attention(q, k, v, logits_soft_cap=logits_soft_cap, **kwargs)
   if impl == "chunked":
     return chunked_attention(q, k, v, block_size=block_size, **kwargs)
-  if impl == "pallas":
-    return pallas_attention(q, k, v, block_size=block_size, **kwargs)
   if impl == "dpa_max":
     return dpa_max_attention(q, k, v, block_size=block_size, **kwargs)
   if impl == "splash":

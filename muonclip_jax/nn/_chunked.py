@@ -18,7 +18,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .._deprecation import renamed_keywords
 from ._masking import (
     Static,
     blocked,
@@ -113,7 +112,6 @@ def _flash_bwd(cfg, res, cts):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-@renamed_keywords(causal="is_causal")
 def chunked_attention(
     q: jax.Array,
     k: jax.Array,

@@ -22,12 +22,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .._deprecation import renamed_keywords
 from ._masking import Static, check_and_prepare, group, grouped_head_max, safe_shift, scores
 from ._soft_cap import check_soft_cap, soft_cap
 
 
-@renamed_keywords(causal="is_causal")
 def dense_attention(
     q: jax.Array,
     k: jax.Array,
@@ -53,8 +51,7 @@ def dense_attention(
     k: keys ``(B, Tk, Hkv, Dqk)``, ``H % Hkv == 0``.
     v: values ``(B, Tk, Hkv, Dv)``.
     softmax_scale: the factor applied to ``q . k`` (static Python float).
-    is_causal: mask keys after the query (bottom-right aligned). Deprecated spelling:
-      ``causal`` (DeprecationWarning).
+    is_causal: mask keys after the query (bottom-right aligned).
     mask: optional boolean mask broadcastable to ``(B, H, Tq, Tk)``, True = attend.
     q_segment_ids: optional ``(B, Tq)`` ints; with ``kv_segment_ids`` ``(B, Tk)``,
       only equal segments attend (packed sequences).

@@ -13,9 +13,9 @@ Cost: one extra ``Q K^T`` over every key block (masked blocks are not skipped): 
 forward and backward do about seven ``Q K^T``-sized matmuls (two forward, five backward),
 so the pass adds about 1/7 of their matmul FLOPs, about 2/7 under a causal mask (which
 the fused kernels halve). When to prefer it over a fused kernel (``"tokamax_gpu"``,
-``"splash"``, ``"pallas"``): when the backend's attention (cuDNN) is faster than the
+``"splash"``): when the backend's attention (cuDNN) is faster than the
 fused kernel by more than that; when no fused kernel applies (tokamax not installed, the
-CPU); for the explicit boolean ``mask``, which splash and the Pallas kernel do not take;
+CPU); for the explicit boolean ``mask``, which splash does not take;
 or when the maxima are needed only on some steps (with ``return_max_logits=False`` it is
 plain ``jax.nn.dot_product_attention``). A fused kernel's capture costs a store of the row
 maxima, not a second ``Q K^T``.
@@ -28,7 +28,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .._deprecation import renamed_keywords
 from ._masking import (
     Static,
     blocked,
@@ -99,7 +98,6 @@ def _backend_attention(cfg: Static, q, k, v, q_side, k_side) -> jax.Array:
   return out
 
 
-@renamed_keywords(causal="is_causal")
 def dpa_max_attention(
     q: jax.Array,
     k: jax.Array,

@@ -39,7 +39,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._deprecation import renamed_keywords
 from . import _tokamax_adapter
 from ._masking import check_and_prepare, head_max
 from ._residual_max import row_max_from_residual
@@ -117,7 +116,6 @@ def _segment_ids(b, tq, tk, tq_p, tk_p, q_segment_ids, kv_segment_ids, q_mask, k
   return sq, sk
 
 
-@renamed_keywords(causal="is_causal")
 def splash_attention(
     q: jax.Array,
     k: jax.Array,

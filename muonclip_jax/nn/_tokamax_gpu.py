@@ -37,7 +37,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .._deprecation import renamed_keywords
 from . import _tokamax_adapter
 from ._masking import Static, check_and_prepare, dense_mask, head_max
 from ._residual_max import row_max_from_residual
@@ -68,7 +67,6 @@ def _device_capability() -> str | None:
   return getattr(dev, "compute_capability", None)
 
 
-@renamed_keywords(causal="is_causal")
 def tokamax_gpu_attention(
     q: jax.Array,
     k: jax.Array,
