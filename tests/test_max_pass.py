@@ -95,9 +95,9 @@ def test_without_capture_is_plain_dot_product_attention():
 def test_validation():
   q, k, v = cases.qkv(4)
   with pytest.raises(ValueError, match="block_size"):
-    mnn.dpa_max_attention(q, k, v, softmax_scale=1.0, block_size=0)
-  with pytest.raises(ValueError, match="dpa_max_attention: kv_mask"):
-    mnn.dpa_max_attention(q, k, v, softmax_scale=1.0, kv_mask=jnp.ones((cases.B, 5), bool))
+    mnn.attention(q, k, v, softmax_scale=1.0, impl="dpa_max", block_size=0)
+  with pytest.raises(ValueError, match=r"attention\(impl='dpa_max'\): kv_mask"):
+    mnn.attention(q, k, v, softmax_scale=1.0, impl="dpa_max", kv_mask=jnp.ones((cases.B, 5), bool))
 
 
 def _dot_generals(jaxpr) -> int:

@@ -56,6 +56,7 @@ def attention(
     kv_mask: jax.Array | None = None,
     return_max_logits: bool = False,
     logits_soft_cap: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Dispatches on ``impl``, the one place that chooses an implementation.
 
@@ -66,7 +67,10 @@ def attention(
     it applies) plus a max-only pass over key blocks of ``block_size``.
 
   * ``"splash"``: ``splash_attention``, tokamax's TPU splash kernel (interpret mode on the
-    CPU); no explicit ``mask``. Needs the ``tokamax`` extra.
+    CPU); no explicit ``mask``; a local ``window=(left, right)`` (query ``i`` sees key ``j``
+    only if ``i + Tk - Tq - left <= j <= i + Tk - Tq + right``, None unbounded on that side;
+    splash only: any other ``impl`` with a window raises ValueError). Needs the ``tokamax``
+    extra.
   * ``"tokamax_gpu"``: ``tokamax_gpu_attention``, tokamax's maintained GPU flash kernels
     (Mosaic GPU on SM90/SM100, else Triton; its XLA op on the CPU). Needs ``tokamax``.
   * ``"auto"`` (default): ``resolve_impl`` picks one of the above from the backend and
@@ -94,6 +98,8 @@ def attention(
     impl = resolve_impl(q, k, v, mask=mask, is_causal=is_causal, logits_soft_cap=logits_soft_cap,
                         return_max_logits=return_max_logits)
   check_soft_cap(logits_soft_cap, impl if impl in ATTENTION_IMPLS else "dense", "attention")
+  if window is not None and impl != "splash":
+    raise ValueError(f"attention: window={window!r} is supported only with impl='splash', got impl={impl!r}")
   kwargs = dict(
       softmax_scale=softmax_scale, is_causal=is_causal, mask=mask, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids, q_mask=q_mask, kv_mask=kv_mask,
@@ -106,7 +112,8 @@ def attention(
   if impl == "dpa_max":
     return dpa_max_attention(q, k, v, block_size=block_size, **kwargs)
   if impl == "splash":
-    return splash_attention(q, k, v, block_size=block_size, logits_soft_cap=logits_soft_cap, **kwargs)
+    return splash_attention(q, k, v, block_size=block_size, logits_soft_cap=logits_soft_cap, window=window,
+                            **kwargs)
   if impl == "tokamax_gpu":
     return tokamax_gpu_attention(q, k, v, **kwargs)
   raise ValueError(f"attention: impl must be one of {ATTENTION_IMPLS}, got {impl!r}")

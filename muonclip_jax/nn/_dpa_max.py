@@ -124,22 +124,22 @@ def dpa_max_attention(
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from muonclip_jax.nn import dense_attention, dpa_max_attention
+    >>> from muonclip_jax.nn import attention
     >>> q = jnp.linspace(-1.0, 1.0, 1 * 5 * 4 * 8).reshape(1, 5, 4, 8)  # 4 query heads
     >>> k = v = jnp.cos(jnp.arange(1 * 7 * 2 * 8.0)).reshape(1, 7, 2, 8)  # 2 key/value heads
     >>> pad = jnp.arange(7)[None, :] < 6  # the last key is padding
-    >>> out, m = dpa_max_attention(q, k, v, softmax_scale=0.35, kv_mask=pad, block_size=4,
-    ...                            return_max_logits=True)
-    >>> ref, ref_m = dense_attention(q, k, v, softmax_scale=0.35, kv_mask=pad, return_max_logits=True)
+    >>> out, m = attention(q, k, v, softmax_scale=0.35, impl="dpa_max", kv_mask=pad, block_size=4,
+    ...                    return_max_logits=True)
+    >>> ref, ref_m = attention(q, k, v, softmax_scale=0.35, impl="dense", kv_mask=pad, return_max_logits=True)
     >>> m.shape, bool(jnp.allclose(out, ref, atol=1e-6)), bool(jnp.allclose(m, ref_m))
     ((4,), True, True)
-    >>> dpa_max_attention(q, k, v, softmax_scale=0.35)[1] is None  # no capture: no extra pass
+    >>> attention(q, k, v, softmax_scale=0.35, impl="dpa_max")[1] is None  # no capture: no extra pass
     True
   """
-  check_block_size(block_size, "dpa_max_attention")
+  check_block_size(block_size, "attention(impl='dpa_max')")
   q_side, k_side = check_and_prepare(
       q, k, v, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-      q_mask=q_mask, kv_mask=kv_mask, name="dpa_max_attention",
+      q_mask=q_mask, kv_mask=kv_mask, name="attention(impl='dpa_max')",
   )
   tq, tk = q.shape[1], k.shape[1]
   whole = Static(float(softmax_scale), bool(is_causal), tq, tk, tk, False)
