@@ -5,8 +5,8 @@ Tables 1-2 are for ``MultiHeadLatentAttention`` (MLA) and ``GroupedQueryAttentio
 1. Capture overhead: jitted forward+backward (``value_and_grad`` over the parameters) with
    the ``intermediates`` collection mutable (the maxima are returned, so XLA cannot drop
    them) vs not mutable, for ``dense``, ``chunked`` and ``dpa_max`` (for which "off" is
-   plain ``jax.nn.dot_product_attention``, so the row is the max-only pass's overhead;
-   ``pallas`` is left out: on a CPU it runs in interpret mode). Goal: <= 3%. Wall-clock
+   plain ``jax.nn.dot_product_attention``, so the row is the max-only pass's overhead).
+   Goal: <= 3%. Wall-clock
    differences of a few percent are within noise on a shared CPU, so the table also gives
    the deterministic extra work from XLA's cost analysis of the compiled programs.
 2. Dense vs chunked at several sequence lengths: forward+backward time with capture on,
@@ -19,10 +19,9 @@ Tables 1-2 are for ``MultiHeadLatentAttention`` (MLA) and ``GroupedQueryAttentio
    TPU: tokamax's splash kernel (``impl="splash"``) with and without capture, and
    ``chunked`` with capture.
    GPU: tokamax's GPU kernel (``impl="tokamax_gpu"``: Mosaic GPU on SM90/SM100, else
-   Triton) with and without capture; the (deprecated) fused Pallas Triton kernel with and
-   without capture (target overhead <= 3%); plain
+   Triton) with and without capture (target overhead <= 3%); plain
    ``jax.nn.dot_product_attention(implementation="cudnn")`` without capture (for MLA the
-   values are zero-padded to width 192, which cuDNN's JAX API needs; target: Pallas with
+   values are zero-padded to width 192, which cuDNN's JAX API needs; target: tokamax with
    capture at >= 0.67 of its speed); ``dpa_max`` with capture (its overhead over plain
    cuDNN); the library's ``chunked`` path with capture.
 
@@ -240,7 +239,7 @@ def tokamax_on_cpu(args) -> None:
   except ImportError:
     print("\n## tokamax on the CPU: SKIPPED (tokamax not installed: pip install 'muonclip_jax[tokamax]')")
     return
-  splash_attention = mnn.splash_attention
+  from muonclip_jax.nn._splash import splash_attention  # its interpret=False: lowering for TPU
 
   print("\n## tokamax on the CPU: equality with dense (no speed: splash runs in Pallas "
         "interpret mode here)\n")
@@ -286,15 +285,14 @@ def accelerator(args) -> None:
   backend = jax.default_backend()
   if backend != "gpu":
     print(f"\n## GPU section: SKIPPED (backend {backend!r}; it needs a GPU). "
-          "No tokamax GPU, Pallas or cuDNN figures were measured.")
+          "No tokamax GPU or cuDNN figures were measured.")
     return
   print(f"\n## Accelerator: forward+backward, bf16, causal, batch 1, median of "
         f"{args.accelerator_repeats} (min-max), ms, on {jax.devices()[0].device_kind}\n")
   print("| shape | seq | tokamax_gpu+capture | tokamax_gpu | capture overhead "
-        "| pallas+capture | pallas | capture overhead | cuDNN (no capture) "
-        "| pallas+capture speed / cuDNN | dpa_max+capture | dpa_max overhead over cuDNN "
-        "| chunked+capture |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "| cuDNN (no capture) | tokamax_gpu+capture speed / cuDNN | dpa_max+capture "
+        "| dpa_max overhead over cuDNN | chunked+capture |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   for seq in args.accelerator_seq_lens:
     for name, (h, hkv, d, dv) in ACCELERATOR_SHAPES.items():
       rng = np.random.default_rng(0)
@@ -303,8 +301,6 @@ def accelerator(args) -> None:
       fns = {
           "tokamax_gpu_on": _attention_step("tokamax_gpu", True),
           "tokamax_gpu_off": _attention_step("tokamax_gpu", False),
-          "pallas_on": _attention_step("pallas", True),
-          "pallas_off": _attention_step("pallas", False),
           "cudnn": _cudnn_step(),
           "dpa_max_on": _attention_step("dpa_max", True),
           "chunked_on": _attention_step("chunked", True, block_size=args.block_size),
@@ -322,9 +318,7 @@ def accelerator(args) -> None:
       print(
           f"| {name} | {seq} | {cell('tokamax_gpu_on')} | {cell('tokamax_gpu_off')} | "
           f"{ratio('tokamax_gpu_on', 'tokamax_gpu_off', lambda a, b: f'{100 * (a / b - 1):+.1f}%')} | "
-          f"{cell('pallas_on')} | {cell('pallas_off')} | "
-          f"{ratio('pallas_on', 'pallas_off', lambda a, b: f'{100 * (a / b - 1):+.1f}%')} | "
-          f"{cell('cudnn')} | {ratio('cudnn', 'pallas_on', lambda a, b: f'{a / b:.2f}')} | "
+          f"{cell('cudnn')} | {ratio('cudnn', 'tokamax_gpu_on', lambda a, b: f'{a / b:.2f}')} | "
           f"{cell('dpa_max_on')} | "
           f"{ratio('dpa_max_on', 'cudnn', lambda a, b: f'{100 * (a / b - 1):+.1f}%')} | "
           f"{cell('chunked_on')} |",
@@ -346,7 +340,7 @@ def main() -> None:
   parser.add_argument("--overhead-repeats", type=int, default=31)
   parser.add_argument("--overhead-impls", nargs="+", default=["dense", "chunked", "dpa_max"],
                       choices=[i for i in mnn.ATTENTION_IMPLS
-                               if i not in ("pallas", "splash", "tokamax_gpu")])
+                               if i not in ("splash", "tokamax_gpu")])
   parser.add_argument("--skip-overhead", action="store_true")
   parser.add_argument("--skip-memory", action="store_true")
   parser.add_argument("--skip-accelerator", action="store_true")

@@ -1,4 +1,4 @@
-"""Orthogonalization benchmark (issue 8): time, accuracy, FLOP rate and memory of Muon.
+"""Orthogonalization benchmark: time, accuracy, FLOP rate and memory of Muon.
 
   PYTHONPATH=. python benchmarks/bench_orthogonalization.py            # the full run
   PYTHONPATH=. python benchmarks/bench_orthogonalization.py --quick    # a few-minute check
@@ -175,7 +175,7 @@ def headline(params: dict, repeats: int, title: str) -> None:
       "optax.contrib.muon (default: Keller, 5 steps)": (optax_muon(), optax_flops(params, 5)),
       "optax.contrib.muon (polar_express_4 table, schatten)": (
           optax_muon("polar_express_4"), optax_flops(params, 4)),
-      "muonclip_jax.muon before issue 8 (Keller, 5, standard)": (
+      "muonclip_jax.muon before the fast path (Keller, 5, standard)": (
           ours("muon", "standard"), ours_flops(params, "muon", "standard")),
       "muonclip_jax.muon default (polar_express_4, 4, auto)": (
           ours(), ours_flops(params, "polar_express_4", "auto")),

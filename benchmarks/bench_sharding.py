@@ -23,12 +23,12 @@ elementwise work is not in it.
 all-to-all's result, ``2 (g-1)/g`` of an all-reduce's (ring), ``g-1`` times a
 reduce-scatter's result, a collective-permute's result (``g``: the replica group size).
 
-Issue 14 parts (``--part``), with the library's default iteration (polar_express_4,
+Balanced placement parts (``--part``), with the library's default iteration (polar_express_4,
 ``ns_method="auto"``), float32:
 
 * ``mla``: the hidden matrices of a DeepSeek-style MLA model (``model_shapes.MLA_1024``:
   wq_a, wq_b, wkv_a, wkv_b, wo, w_gate, w_up, w_down) on ``data x model`` meshes; the
-  distributed Newton–Schulz alone (``orthogonalize_sharded``) compiled with issue 6's code
+  distributed Newton–Schulz alone (``orthogonalize_sharded``) compiled with the shape-by-shape grouping's code that came before
   (loaded from git, ``--baseline``) and with this one: per-device FLOPs (cost analysis, loops
   unrolled) over one device's, against the LPT bound and the ideal ``1/D``. Needs as many fake
   devices as the mesh has (``--devices 64`` for 8x8, in its own process);
@@ -36,7 +36,7 @@ Issue 14 parts (``--part``), with the library's default iteration (polar_express
 * ``planner``: ``_ns_planner.figures`` (pure Python) for a DeepSeek-V3-like and a dense
   70B-like model on 8 to 1024 devices.
 
-Issue 23 (``--part hybrid``, pure Python): whole-matrix against hybrid plans (the largest
+Split over device groups (``--part hybrid``, pure Python): whole-matrix against hybrid plans (the largest
 matrices split over device groups, ``_ns_hybrid``) for dense 70B- and 405B-like and a
 DeepSeek-V3-like model on 8 to 4096 devices: FLOPs of the most loaded device over the
 ideal, bytes received, collectives, estimated optimizer-step time on the ``_ns_cost``
@@ -141,15 +141,15 @@ def measure(opt: optax.GradientTransformation, params: dict, shardings: dict | N
 
 
 DEFAULT_NS = dict(steps=None, coeffs="polar_express_4", method="auto")  # scale_by_muon's default
-BASELINE = "aa1a07b"  # issue 6's distributed Newton-Schulz (muonclip_jax/sharding.py)
+BASELINE = "aa1a07b"  # the first distributed Newton-Schulz, grouped shape by shape (muonclip_jax/sharding.py)
 
 
-def issue6_module(rev: str) -> types.ModuleType:
-  """Issue 6's ``muonclip_jax/sharding.py`` at git revision ``rev``, as a module of the package."""
+def grouped_module(rev: str) -> types.ModuleType:
+  """The shape-by-shape grouping's ``muonclip_jax/sharding.py`` at git revision ``rev``, as a module of the package."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   src = subprocess.run(["git", "show", f"{rev}:muonclip_jax/sharding.py"], cwd=root, check=True,
                        capture_output=True, text=True).stdout
-  module = types.ModuleType("muonclip_jax._issue6_sharding")
+  module = types.ModuleType("muonclip_jax._grouped_sharding")
   module.__package__ = "muonclip_jax"
   exec(compile(src, f"{rev}:muonclip_jax/sharding.py", "exec"), module.__dict__)  # noqa: S102
   return module
@@ -189,7 +189,7 @@ def compiled_ns(orthogonalize, params: dict, shardings: dict | None, mesh: Mesh 
 
 
 def compare(name: str, layers: list[tuple[dict, int]], mesh_shape: tuple, axes: tuple, baseline) -> None:
-  """One row: issue 6 vs this scheme (compiled and planned), LPT bound, ideal."""
+  """One row: the shape-by-shape grouping vs this scheme (compiled and planned), LPT bound, ideal."""
   mesh = Mesh(np.array(jax.devices()[:int(np.prod(mesh_shape))]).reshape(mesh_shape), axes)
   params, names = {}, {}
   for li, (layer, count) in enumerate(layers):
@@ -209,7 +209,7 @@ def compare(name: str, layers: list[tuple[dict, int]], mesh_shape: tuple, axes: 
         f"| {fig['new'].comm / 1e6:.1f} |", flush=True)
 
 
-COMPARE_HEADER = ("| set | mesh | issue 6 | new | new (planner) | LPT bound | ideal | new / LPT | comm MB issue 6 "
+COMPARE_HEADER = ("| set | mesh | by shape | new | new (planner) | LPT bound | ideal | new / LPT | comm MB by shape "
                   "| comm MB new | comm MB planner |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
@@ -286,7 +286,7 @@ def hybrid_part(models: list[str]) -> None:
 
 def planner_part() -> None:
   flops = _distributed_ns.ns_flops_of(DEFAULT_NS)
-  print("| model | devices (mesh) | matrices | new | LPT bound | issue 6 | Moonlight | comm GB new | issue 6 "
+  print("| model | devices (mesh) | matrices | new | LPT bound | by shape | Moonlight | comm GB new | by shape "
         "| Moonlight |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
   for model, layers in (("DeepSeek-V3-like", model_shapes.deepseek_v3()), ("dense 70B-like", model_shapes.dense_70b())):
     for devices, (shape, axes) in PLANNER_MESHES.items():
@@ -305,7 +305,7 @@ def main() -> None:
   parser.add_argument("--part", choices=("gpt2", "mla", "moe", "planner", "hybrid"), default="gpt2")
   parser.add_argument("--models", default=",".join(HYBRID_MODELS), help="hybrid: comma-separated model names")
   parser.add_argument("--devices", type=int, default=8, help="fake CPU devices (mla: 64 for the 8x8 mesh)")
-  parser.add_argument("--baseline", default=BASELINE, help="git revision of issue 6's sharding.py")
+  parser.add_argument("--baseline", default=BASELINE, help="git revision of the shape-by-shape grouping's sharding.py")
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--dim", type=int, default=768)
   args = parser.parse_args()
@@ -316,9 +316,9 @@ def main() -> None:
   if args.part == "hybrid":
     return hybrid_part(args.models.split(","))
   if args.part == "mla":
-    return mla_part(args.devices, issue6_module(args.baseline))
+    return mla_part(args.devices, grouped_module(args.baseline))
   if args.part == "moe":
-    return moe_part(issue6_module(args.baseline))
+    return moe_part(grouped_module(args.baseline))
   gpt2_part(args)
 
 

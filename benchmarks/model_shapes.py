@@ -51,9 +51,9 @@ def model(layer: dict, layers: int, *, scanned: bool = False, dtype=jnp.float32)
   return params, {f"l{i}": {k: P(*n) for k, (_, n) in layer.items()} for i in range(layers)}
 
 
-# The issue's MLA test case: width 1024, 8 heads, q_lora 384, kv_lora 256, head dims 64 + 32
-# (rope), values 64, SwiGLU 2816. With polar_express_4 it reproduces the issue's figures of
-# issue 6's grouping (0.232, 0.174 of one device's FLOPs on 8 devices with 3 and 4 layers).
+# The balanced placement's MLA test case: width 1024, 8 heads, q_lora 384, kv_lora 256, head dims 64 + 32
+# (rope), values 64, SwiGLU 2816. With polar_express_4 it reproduces the figures of
+# the shape-by-shape grouping (0.232, 0.174 of one device's FLOPs on 8 devices with 3 and 4 layers).
 MLA_1024 = {**mla_attention(1024, 8, 384, 256, 64, 32, 64), **mlp(1024, 2816)}
 
 

@@ -339,7 +339,7 @@ def reading(runs, stats) -> list[str]:
   passes = (f"its clip took {e['passes']:.2f} extra forward passes per step on average "
             "(at most one per attention layer)"
             if e["passes"] is not None else
-            "this run predates the multi-layer fix of the exact clip (issue 12): its exact clip made one forward pass "
+            "this run predates the multi-layer fix of the exact clip: its exact clip made one forward pass "
             "and one clip per step, exact for the first attention layer only")
   lines.append(
       f"- **Exact clip vs Algorithm 1.** Highest max logit {e['highest']:.1f} (exact) vs {c['highest']:.1f}; "

@@ -279,7 +279,6 @@ def train(name, step, params, state, batches, place, eval_fn, val_batch, eval_ev
       log.write(json.dumps(rec) + "\n")
       records.append(rec)
       progress(name, t + 1, len(batches), rec)
-  print(file=sys.stderr)
   return records, t_steps / max(1, len(batches) - 1)
 
 
@@ -332,11 +331,16 @@ def run(args) -> int:
   return 0
 
 
-def progress(name, step, total, rec, width=30):
-  done = int(width * step / total)
-  bar = "#" * done + "." * (width - done)
-  print(f"\r{name:9s} [{bar}] {step}/{total} loss {rec['loss']:.3f} max logit {rec['max_logit']:7.2f}",
-        end="", file=sys.stderr, flush=True)
+def progress(name, step, total, rec, width=30, stream=None):
+  """A progress bar redrawn in place on a terminal; plain lines (every tenth of the run) in a log."""
+  stream = sys.stderr if stream is None else stream
+  status = f"{step}/{total} loss {rec['loss']:.3f} max logit {rec['max_logit']:7.2f}"
+  if stream.isatty():
+    done = int(width * step / total)
+    bar = "#" * done + "." * (width - done)
+    print(f"\r{name:9s} [{bar}] {status}", end="\n" if step == total else "", file=stream, flush=True)
+  elif step == total or step % max(1, total // 10) == 0:
+    print(f"{name:9s} {status}", file=stream, flush=True)
 
 
 def summarize(records, num_heads_total, sec_per_step):

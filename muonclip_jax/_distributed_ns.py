@@ -49,7 +49,6 @@ from . import _newton_schulz
 from . import _ns_hybrid as hybrid
 from . import _ns_planner as planner
 from . import _split_ns
-from ._deprecation import renamed_keywords
 from ._matrix_axes import from_matrices, to_matrices
 from ._paths import path_str
 
@@ -220,7 +219,6 @@ def default_flops(m: int, n: int) -> float:
   return float(_newton_schulz.ns_flops((m, n)))
 
 
-@renamed_keywords(split="shard_split")
 def orthogonalize_sharded(xs: Sequence[jax.Array], axes: Sequence[tuple], ns: Callable[[jax.Array], jax.Array],
                           *, mesh: Mesh, shardings: Sequence[NamedSharding | None] | None = None,
                           flops: Callable[[int, int], float] | None = None, ns_kwargs: dict | None = None,

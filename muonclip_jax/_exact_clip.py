@@ -15,12 +15,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._deprecation import renamed_keywords
 from ._max_logits import nest_max_logits
 from ._qk_clip import clip_decisions, no_clip_decisions, qk_clip
 
 
-@renamed_keywords(threshold="qk_clip_threshold")
 def exact_qk_clip(params: Any, measure: Callable[[Any], dict[str, jax.Array]], *, qk_clip_threshold: Any,
                   layout: Any, rtol: float = 1e-4) -> tuple[Any, jax.Array]:
   """QK-Clip until the params' own maxima are at most tau (1 + rtol), for any depth.

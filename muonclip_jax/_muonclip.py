@@ -19,7 +19,6 @@ import optax
 
 from ._alias import muon_adamw
 from ._checks import check_number
-from ._deprecation import renamed_keywords
 from ._layouts import check_layout
 from ._matrix_axes import MatrixAxesSpec
 from ._qk_clip import qk_clip, qk_clip_stats, threshold_or_nan
@@ -76,7 +75,6 @@ def _state(count, threshold, num_clipped=0, min_gamma=1.0) -> QKClipState:
                      num_clipped=jnp.asarray(num_clipped, jnp.int32), min_gamma=jnp.asarray(min_gamma, jnp.float32))
 
 
-@renamed_keywords(threshold="qk_clip_threshold")
 def qk_clip_transform(qk_clip_threshold: Any, *, layout: Any) -> optax.GradientTransformationExtraArgs:
   """QK-Clip as the last transform of an Optax chain (Kimi K2, Algorithm 1, lines 10-15).
 

@@ -43,7 +43,6 @@ import numpy as np
 
 from ._boxes import names_by_path
 from ._checks import check_number
-from ._deprecation import renamed_keywords
 from ._equinox import storage_axes
 from ._layouts import GQALayout, MLALayout, check_layout, layout_for, matching_patterns
 from ._max_logits import MAX_LOGITS, collect_max_logits, nest_max_logits
@@ -152,7 +151,6 @@ def no_clip_decisions(max_logits: Mapping[str, jax.Array]) -> tuple[dict[str, ja
           {m: jnp.ones(jnp.shape(s), jnp.float32) for m, s in max_logits.items()})
 
 
-@renamed_keywords(threshold="qk_clip_threshold")
 def clip_factors(max_logits: jax.Array, qk_clip_threshold: Any) -> jax.Array:
   """QK-Clip factors gamma_h = min(1, tau / S_max^h) (Kimi K2, section 2.1, Algorithm 1).
 
@@ -207,7 +205,6 @@ def _role_factors(s: jax.Array, tau: jax.Array, lay: _Layout) -> dict[str, jax.A
 # ----------------------------------------------------------------------------- modules
 
 
-@renamed_keywords(threshold="qk_clip_threshold")
 def qk_clip(params: Any, max_logits: Any, *, qk_clip_threshold: Any, layout: Any,
             names: Mapping[str, tuple] | None = None) -> Any:
   """Applies QK-Clip (Kimi K2, arXiv 2507.20534, section 2.1, Algorithm 1) to attention params.
@@ -369,7 +366,6 @@ def _check_all_reported(by_module: Mapping[str, Mapping[str, int]], leaves: list
     )
 
 
-@renamed_keywords(threshold="qk_clip_threshold")
 def qk_clip_stats(max_logits: Any, *, qk_clip_threshold: Any) -> dict[str, dict[str, jax.Array]]:
   """Per-module QK-Clip statistics for logging (Kimi K2, section 2.1); runs inside jit.
 

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._accumulation import merge_max_logits
-from ._deprecation import renamed_keywords, warn_deprecated
 from ._max_logits import nest_max_logits
 from ._opt_state_view import OptStateView
 from ._qk_clip import clip_decisions, no_clip_decisions, qk_clip_stats, threshold_or_nan
@@ -28,13 +27,13 @@ def step_threshold(given: Any, before: OptStateView, after: OptStateView,
   step's tau (as float32, NaN where a traced value was NaN, zero or negative: it clipped
   nothing). Otherwise ``given`` (``make_train_step(qk_clip_threshold=...)``): a number, or
   a schedule evaluated at the optimizer's step count before the update (``before.count``).
-  Giving both is deprecated (``given`` is ignored, with a DeprecationWarning).
+  Giving both is a ValueError: the step has one tau.
   """
   if after.clip is not None:
     if given is not None:
-      warn_deprecated(f"{caller}: qk_clip_threshold is ignored because the optimizer clips with its own tau "
-                      "(muonclip(qk_clip_threshold=...)); passing both is deprecated and will be a ValueError in "
-                      "the next release: pass tau to the optimizer only")
+      raise ValueError(f"{caller}: qk_clip_threshold={given!r} was given, but the optimizer clips with its own "
+                       "tau (muonclip(qk_clip_threshold=...)): the step has one tau; pass it to the optimizer only "
+                       "and leave make_train_step's qk_clip_threshold None")
     return after.clip.threshold
   if given is None:
     return None
@@ -46,7 +45,6 @@ def step_threshold(given: Any, before: OptStateView, after: OptStateView,
   return threshold_or_nan(given)
 
 
-@renamed_keywords(threshold="qk_clip_threshold")
 def clip_metrics(maxima: dict[str, jax.Array], qk_clip_threshold: Any) -> dict[str, Any]:
   """Logging metrics of one step's maxima ``{module: (*stack, H)}`` (all arrays, jit-safe).
 

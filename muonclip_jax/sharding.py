@@ -32,7 +32,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._deprecation import renamed_keywords
 from ._distributed_ns import mesh_of
 from ._distributed_ns import orthogonalize_sharded as orthogonalize_sharded
 from ._ns_planner import entry_axes
@@ -211,7 +210,6 @@ def _names(path: Sequence[Any]) -> tuple[str, ...]:
   return tuple(str(key_name(k)) for k in strip_value(path))
 
 
-@renamed_keywords(shardings="param_shardings")
 def state_shardings(state: Any, params: Any, param_shardings: Any) -> Any:
   """Shardings for an optimizer state: each leaf gets its parameter's sharding.
 
@@ -259,7 +257,6 @@ def state_shardings(state: Any, params: Any, param_shardings: Any) -> Any:
   return jax.tree_util.tree_map_with_path(one, state)
 
 
-@renamed_keywords(shardings="param_shardings")
 def init_state(optimizer: Any, params: Any, param_shardings: Any) -> Any:
   """``optimizer.init(params)`` under ``jit`` with ``state_shardings`` as output shardings.
 
@@ -287,7 +284,6 @@ def init_state(optimizer: Any, params: Any, param_shardings: Any) -> Any:
   return jax.jit(optimizer.init, out_shardings=state_shardings(abstract, params, param_shardings))(params)
 
 
-@renamed_keywords(params_shardings="param_shardings")
 def jit_train_step(step: Callable, param_shardings: Any, state_shardings: Any, batch_shardings: Any, *,
                    donate: bool = False) -> Callable:
   """``jax.jit`` of ``step(params, opt_state, batch, rng=None) -> (params, opt_state, metrics)``.

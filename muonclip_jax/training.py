@@ -72,7 +72,7 @@ def make_train_step(
       tau of the metrics and of ``exact_clip``; a number, or a schedule evaluated at the
       optimizer's step count (the first ``count`` in its state). An optimizer that clips
       (``muonclip``) has its own tau, the step's only one: leave this None (passing it too
-      is deprecated; it is ignored, with a DeprecationWarning). None with an optimizer
+      is a ValueError at the first trace). None with an optimizer
       that does not clip: no tau, nothing counted as above it.
     layout: the attention layout; needed only with ``exact_clip``.
     num_microbatches: k > 1 splits the batch's leading axis into k microbatches and scans

@@ -1,6 +1,6 @@
 """Shared cases for the accelerator attention tests: every impl against ``impl="dense"``.
 
-Small shapes on purpose: ``"pallas"`` runs in Pallas interpret mode on the CPU. Lengths
+Small shapes on purpose: ``"splash"`` runs in Pallas interpret mode on the CPU. Lengths
 (37, 20) are not multiples of the 16-token tiles; head widths 24 (q/k) and 16 (v) are a
 small analogue of MLA's 192/128; 4 query heads share 2 key/value heads (GQA).
 """

@@ -258,8 +258,8 @@ def test_single_trace_under_jit():
   @jax.jit
   @chex.assert_max_traces(n=1)
   def f(q, k, v):
-    return mnn.chunked_attention(
-        q, k, v, softmax_scale=SCALE, block_size=4, is_causal=True, return_max_logits=True
+    return mnn.attention(
+        q, k, v, softmax_scale=SCALE, impl="chunked", block_size=4, is_causal=True, return_max_logits=True
     )
 
   f(q, k, v)
@@ -270,20 +270,22 @@ def test_validation():
   q, k, v = _qkv(4)
   with pytest.raises(ValueError, match="impl"):
     mnn.attention(q, k, v, softmax_scale=SCALE, impl="flash")
+  with pytest.raises(ValueError, match=r"window=\(2, 0\) is supported only with impl='splash', got impl='chunked'"):
+    mnn.attention(q, k, v, softmax_scale=SCALE, impl="chunked", window=(2, 0))
   with pytest.raises(ValueError, match="block_size"):
-    mnn.chunked_attention(q, k, v, softmax_scale=SCALE, block_size=0)
+    mnn.attention(q, k, v, softmax_scale=SCALE, impl="chunked", block_size=0)
   with pytest.raises(ValueError, match="must divide"):
-    mnn.dense_attention(q, jnp.ones((B, 4, 3, D)), jnp.ones((B, 4, 3, DV)), softmax_scale=SCALE)
+    mnn.attention(q, jnp.ones((B, 4, 3, D)), jnp.ones((B, 4, 3, DV)), softmax_scale=SCALE, impl="dense")
   with pytest.raises(ValueError, match="expected q"):
-    mnn.dense_attention(q[0], k, v, softmax_scale=SCALE)
+    mnn.attention(q[0], k, v, softmax_scale=SCALE, impl="dense")
   with pytest.raises(ValueError, match="inconsistent"):
-    mnn.dense_attention(q, k[..., :4], v, softmax_scale=SCALE)
+    mnn.attention(q, k[..., :4], v, softmax_scale=SCALE, impl="dense")
   with pytest.raises(ValueError, match="both"):
-    mnn.dense_attention(q, k, v, softmax_scale=SCALE, q_segment_ids=jnp.zeros((B, 4), jnp.int32))
+    mnn.attention(q, k, v, softmax_scale=SCALE, impl="dense", q_segment_ids=jnp.zeros((B, 4), jnp.int32))
   with pytest.raises(ValueError, match="kv_mask"):
-    mnn.dense_attention(q, k, v, softmax_scale=SCALE, kv_mask=jnp.ones((B, 5), bool))
+    mnn.attention(q, k, v, softmax_scale=SCALE, impl="dense", kv_mask=jnp.ones((B, 5), bool))
   with pytest.raises(ValueError, match="broadcastable"):
-    mnn.chunked_attention(q, k, v, softmax_scale=SCALE, mask=jnp.ones((B, 3, 4, 4), bool))
+    mnn.attention(q, k, v, softmax_scale=SCALE, impl="chunked", mask=jnp.ones((B, 3, 4, 4), bool))
 
 
 class TestRope:

@@ -132,7 +132,7 @@ def test_logits_soft_cap_softmax_reads_capped_capture_counts_pre_cap():
     out, state = _linen_dpa(q, k, v, b, causal, cap)
     np.testing.assert_allclose(out, want_out, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(state["intermediates"]["max_logits"], want_max, rtol=1e-5)
-  for impl in ("chunked", "pallas", "dpa_max"):
+  for impl in ("chunked", "dpa_max"):
     with pytest.raises(ValueError, match=f"logits_soft_cap is supported only with impl='dense'.*{impl}"):
       attention(q, k, v, softmax_scale=1.0, impl=impl, logits_soft_cap=cap)
     with pytest.raises(ValueError, match="logits_soft_cap is supported only with impl='dense'"):

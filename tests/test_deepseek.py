@@ -180,8 +180,8 @@ POSITIONS = np.stack([np.arange(T) + 100, np.arange(T) + 3000])  # (2, T), beyon
 
 
 @pytest.mark.parametrize("dim,original,betas", [
-    (8, 8192, (32.0, 1.0)),  # issue: ramp upper index past dim/2 - 1
-    (64, 65536, (32.0, 1.0)),  # issue
+    (8, 8192, (32.0, 1.0)),  # ramp upper index past dim/2 - 1
+    (64, 65536, (32.0, 1.0)),  # the same, at the full rope width
     (64, 4096, (32.0, 1.0)),  # DeepSeek-V3
     (64, 4096, (1.0, 1.0)),  # Kimi K2: equal betas
     (8, 8192, (2.0, 2.0)),  # equal betas, another ramp
@@ -196,8 +196,8 @@ def test_yarn_frequencies_equal_reference(dim, original, betas):
   np.testing.assert_allclose(got, ref_freqs(dim, 10000.0, **kw, dtype=np.float64), rtol=1e-13)
 
 
-def test_issue_configurations_differ_from_half_clamp():
-  """The two configurations of the issue do exercise the ``dim - 1`` clamp."""
+def test_clamped_configurations_differ_from_half_clamp():
+  """The two configurations past ``dim/2 - 1`` do exercise the ``dim - 1`` clamp."""
   for dim, original in ((8, 8192), (64, 65536)):
     yarn = mnn.YarnScaling(factor=40.0, original_max_position=original)
     got = mnn.rope_frequencies(dim, yarn=yarn)
@@ -359,7 +359,7 @@ def test_converted_weights_match_reference_forward(tmp_path, cfg):
     expected = ref_mla(weights[layer], x.astype(np.float64), cfg, POSITIONS)
     y = _apply(module, params, x, POSITIONS)
     chex.assert_trees_all_close(y, expected.astype(np.float32), rtol=1e-4, atol=1e-5)
-  # The same weights in rotate-half pairing give another function (38% off in the issue).
+  # The same weights in rotate-half pairing give another function (38% off when this was found).
   half = module.clone(rope_interleave=False)
   assert not np.allclose(_apply(half, params, x, POSITIONS), y, rtol=1e-2, atol=1e-3)
 

@@ -17,7 +17,9 @@ def test_demo_runs_end_to_end_on_a_2x4_mesh(tmp_path, capsys):
   rc = train_mla_lm.main(["--steps", "3", "--batch", "4", "--seq", "32", "--eval-every", "2",
                           "--mesh", "2,4", "--tau", "5", "--out", str(out)])
   assert rc == 0
-  printed = capsys.readouterr().out
+  captured = capsys.readouterr()
+  printed = captured.out
+  assert "\r" not in captured.err and "adamw     3/3 loss" in captured.err  # plain progress lines in a log
   for name in ("adamw", "muon", "muonclip"):
     lines = (out / name / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 3
@@ -30,6 +32,23 @@ def test_demo_runs_end_to_end_on_a_2x4_mesh(tmp_path, capsys):
     assert len(numbers) == 6 and all(math.isfinite(v) for v in numbers)
   assert (out / "report.png").stat().st_size > 10_000
   assert (out / "summary.txt").read_text().splitlines()[1].startswith("optimizer")
+
+
+def test_progress_redraws_on_a_terminal_and_prints_lines_in_a_log():
+  import io
+
+  class Tty(io.StringIO):
+    def isatty(self):
+      return True
+
+  rec = {"loss": 2.0, "max_logit": 3.0}
+  log, tty = io.StringIO(), Tty()
+  for step in range(1, 21):
+    train_mla_lm.progress("muon", step, 20, rec, stream=log)
+    train_mla_lm.progress("muon", step, 20, rec, stream=tty)
+  lines = log.getvalue().splitlines()
+  assert len(lines) == 10 and lines[-1].startswith("muon      20/20 loss 2.000") and "\r" not in log.getvalue()
+  assert tty.getvalue().count("\r") == 20 and tty.getvalue().endswith("\n") and tty.getvalue().count("\n") == 1
 
 
 @pytest.mark.parametrize(

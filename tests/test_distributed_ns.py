@@ -30,7 +30,7 @@ MESHES = {  # name: (mesh shape, axis names)
     "model1x8": ((1, 8), ("data", "model")),
     "fsdp2x4": ((2, 4), ("fsdp", "model")),
 }
-# The issue's MLA layer and a MoE layer, scaled down (every side >= 32, so that the
+# A DeepSeek-style MLA layer and a MoE layer, scaled down (every side >= 32, so that the
 # elementwise work XLA counts on top of the matmuls stays under 4%).
 _MLA = {**model_shapes.mla_attention(64, 4, 48, 32, 16, 8, 16), **model_shapes.mlp(64, 176)}
 _MOE = {**model_shapes.mla_attention(64, 4, 48, 32, 16, 8, 16), **model_shapes.experts(64, 96, 6),
@@ -119,7 +119,7 @@ def test_planner_matches_compiled_cost_analysis(mesh_name, set_name, unrolled):
   measured = compiled.cost_analysis()["flops"]
   assert 1.0 <= measured / plan.max_flops <= 1.05, (measured, plan.max_flops)
   lpt = _ns_planner.plan(leaves, dict(mesh.shape), flops, placement="lpt")
-  assert measured <= 1.10 * lpt.max_flops  # the issue's target: within 1.10x of the LPT bound
+  assert measured <= 1.10 * lpt.max_flops  # the target: within 1.10x of the LPT bound
   received, _ = bench_sharding.communication(compiled.as_text(), 8)
   assert received == plan.comm
 
@@ -171,14 +171,14 @@ def test_planner_places_every_matrix_once_within_the_grouped_traffic(problem):
   fig = _ns_planner.figures(leaves, mesh, flops)
   total = sum(flops(*lf.mn) * lf.count for lf in leaves)
   assert sum(plan.device_flops) == pytest.approx(total)
-  assert plan.max_flops <= fig["grouped"].flops * (1 + 1e-12)  # never slower than issue 6's
-  assert plan.comm <= fig["grouped"].comm  # never more traffic than issue 6's
+  assert plan.max_flops <= fig["grouped"].flops * (1 + 1e-12)  # never slower than the shape-by-shape grouping
+  assert plan.comm <= fig["grouped"].comm  # never more traffic than it
   largest = max(flops(*lf.mn) for lf in leaves)
   assert fig["lpt"].flops <= total / devices + largest * (1 + 1e-12)  # LPT's bound
 
 
-def test_planner_figures_of_the_issue_mla_sets():
-  """The issue's table: issue 6's grouping, the LPT bound, and the plan reaching it."""
+def test_planner_figures_of_the_mla_sets():
+  """The MLA sets' table: the shape-by-shape grouping, the LPT bound, and the plan reaching it."""
   flops = _distributed_ns.ns_flops_of(NS)
   expected = {(3, (2, 4)): (0.232, 0.203), (4, (2, 4)): (0.174, 0.153), (6, (8, 8)): (0.065, 0.051)}
   for (layers, shape), (today, bound) in expected.items():
@@ -356,7 +356,7 @@ def test_split_matrix_compiled_on_16_and_64_devices(devices):
 
 
 def test_hybrid_planner_on_a_dense_70b_like_model():
-  """The issue's figures: 3.08x the ideal whole, <= 1.10x split; "auto" never slower."""
+  """The measured figures: 3.08x the ideal whole, <= 1.10x split; "auto" never slower."""
   flops = _distributed_ns.ns_flops_of(NS)
   cost = _distributed_ns.split_cost_of(NS)
   for devices in (1024, 4096):

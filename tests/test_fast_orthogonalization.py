@@ -1,4 +1,4 @@
-"""Fast orthogonalization (issue 8): Gram Newton–Schulz, "polar_express_4", Schatten-4
+"""Fast orthogonalization: Gram Newton–Schulz, "polar_express_4", Schatten-4
 normalization, batched and serialized Muon updates: bands against the SVD, agreement with
 the plain path, FLOP counts and the compiled update's temporary memory."""
 

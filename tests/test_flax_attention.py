@@ -186,14 +186,14 @@ def test_bad_inputs():
     dpa(q, k, v, precision=(jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST))
 
 
-def _pallas_vs_dense(q, k, v, **kw):
-  """Outputs and sown maxima of the drop-in with impl='pallas' and with impl='dense'."""
-  pallas = functools.partial(dpa, impl="pallas")
-  return _sown(q, k, v, fn=pallas, **kw), _sown(q, k, v, **kw)
+def _splash_vs_dense(q, k, v, **kw):
+  """Outputs and sown maxima of the drop-in with impl='splash' and with impl='dense'."""
+  splash = functools.partial(dpa, impl="splash")
+  return _sown(q, k, v, fn=splash, **kw), _sown(q, k, v, **kw)
 
 
-def test_pallas_is_causal_and_key_padding_match_dense():
-  """impl='pallas' through attention_fn: is_causal=True without a mask, and key padding masks."""
+def test_fused_kernel_is_causal_and_key_padding_match_dense():
+  """impl='splash' (a fused kernel: no explicit mask) through attention_fn: is_causal=True without a mask, and key padding masks."""
   rng = np.random.default_rng(6)
   q, k, v = _qkv(rng, (2,), 12, 12, 2, 8, hkv=1)
   key_valid = np.ones((2, 12), bool)
@@ -206,14 +206,14 @@ def test_pallas_is_causal_and_key_padding_match_dense():
       {"mask": jnp.asarray(key_valid[:, None, None, :]), "is_causal": True},
   ]
   for kw in cases:
-    (out, sown), (want, want_max) = _pallas_vs_dense(q, k, v, **kw)
+    (out, sown), (want, want_max) = _splash_vs_dense(q, k, v, **kw)
     chex.assert_trees_all_close(out, want, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(sown, want_max, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(sown, np_max_logits(q, k, mask=kw.get("mask"), causal=kw.get("is_causal", False)),
                                rtol=1e-5, atol=1e-5)
   # Linen's MultiHeadDotProductAttention never passes is_causal: the partial sets it
   x = jnp.asarray(rng.standard_normal((2, 8, 16)), jnp.float32)
-  causal_fn = functools.partial(dpa, impl="pallas", is_causal=True)
+  causal_fn = functools.partial(dpa, impl="splash", is_causal=True)
   attn = nn.MultiHeadDotProductAttention(2, attention_fn=causal_fn)
   params = attn.init(jax.random.key(0), x)
   y, state = attn.apply(params, x, mutable=["intermediates"])
@@ -222,17 +222,17 @@ def test_pallas_is_causal_and_key_padding_match_dense():
   assert state["intermediates"]["max_logits"].shape == (2,)
 
 
-def test_pallas_rejects_general_masks_with_the_way_out():
+def test_fused_kernel_rejects_general_masks_with_the_way_out():
   rng = np.random.default_rng(7)
   q, k, v = _qkv(rng, (2,), 8, 8, 2, 8)
-  pallas = functools.partial(dpa, impl="pallas")
+  fused = functools.partial(dpa, impl="splash")
   hint = r"is_causal=True\) with no mask.*key padding masks of shape \(B, 1, 1, Tk\).*'dense', 'chunked' or 'dpa_max'"
   with pytest.raises(ValueError, match=r"mask of shape \(2, 1, 8, 8\).*" + hint):
-    pallas(q, k, v, mask=nn.make_causal_mask(jnp.ones((2, 8))))
+    fused(q, k, v, mask=nn.make_causal_mask(jnp.ones((2, 8))))
   with pytest.raises(ValueError, match=r"mask of shape \(2, 2, 1, 8\).*" + hint):  # per head
-    pallas(q, k, v, mask=jnp.ones((2, 2, 1, 8), bool))
+    fused(q, k, v, mask=jnp.ones((2, 2, 1, 8), bool))
   with pytest.raises(ValueError, match=r"is_causal=True with q_length != kv_length.*" + hint):
-    pallas(q, k[:, :6], v[:, :6], is_causal=True)
+    fused(q, k[:, :6], v[:, :6], is_causal=True)
   # the same mask is fine with the other implementations
   dpa(q, k, v, mask=nn.make_causal_mask(jnp.ones((2, 8))), impl="chunked")
 
@@ -241,5 +241,5 @@ def test_bad_impl_is_named_before_anything_else():
   rng = np.random.default_rng(8)
   q, k, v = _qkv(rng, (2,), 4, 4, 2, 8)
   for kw in ({}, {"bias": jnp.zeros((2, 4, 4))}, {"dropout_rate": 0.1, "dropout_rng": jax.random.key(0)}):
-    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'dense', 'chunked', 'pallas', 'dpa_max', 'splash', 'tokamax_gpu'\), got 'flash'"):
+    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'dense', 'chunked', 'dpa_max', 'splash', 'tokamax_gpu'\), got 'flash'"):
       dpa(q, k, v, impl="flash", **kw)

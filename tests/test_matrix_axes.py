@@ -194,7 +194,7 @@ def _boxed(shape, names):
 
 
 def test_explicit_axes_that_contradict_logical_names_raise():
-  """Issue 11: the scan hint on a named DenseGeneral kernel must not give 64 separate 4x16 matrices."""
+  """The scan hint on a named DenseGeneral kernel must not give 64 separate 4x16 matrices."""
   params = {"attn": {"query": {"kernel": _boxed((64, 4, 16), ("embed", "heads", "kv"))}}}
   for spec in (mc.MatrixAxes((-2,), (-1,)), MDN(-2, -1), {"attn": {"query": {"kernel": mc.MatrixAxes((-2,), (-1,))}}}):
     opt = mc.scale_by_muon(matrix_axes=spec)
@@ -216,7 +216,7 @@ def test_explicit_axes_that_contradict_logical_names_raise():
 
 
 def test_attention_matrix_axes_refuses_an_unnamed_dense_general_kernel():
-  """Issue 11: `default` must not split a scanned `v_proj` (layers, in, kv_heads, head_dim) into per-head matrices."""
+  """`default` must not split a scanned `v_proj` (layers, in, kv_heads, head_dim) into per-head matrices."""
   lay = mc.GQALayout(4, 4, 8, query="q_proj", key="k_proj")
   stack = mc.MatrixAxes((-2,), (-1,))
   params = {"q_proj": {"kernel": jnp.zeros((2, 32, 4, 8))}, "k_proj": {"kernel": jnp.zeros((2, 32, 4, 8))},

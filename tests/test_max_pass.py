@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import chex
+import flax.linen as nn
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -93,6 +95,86 @@ def test_without_capture_is_plain_dot_product_attention():
 def test_validation():
   q, k, v = cases.qkv(4)
   with pytest.raises(ValueError, match="block_size"):
-    mnn.dpa_max_attention(q, k, v, softmax_scale=1.0, block_size=0)
-  with pytest.raises(ValueError, match="dpa_max_attention: kv_mask"):
-    mnn.dpa_max_attention(q, k, v, softmax_scale=1.0, kv_mask=jnp.ones((cases.B, 5), bool))
+    mnn.attention(q, k, v, softmax_scale=1.0, impl="dpa_max", block_size=0)
+  with pytest.raises(ValueError, match=r"attention\(impl='dpa_max'\): kv_mask"):
+    mnn.attention(q, k, v, softmax_scale=1.0, impl="dpa_max", kv_mask=jnp.ones((cases.B, 5), bool))
+
+
+def _dot_generals(jaxpr) -> int:
+  """Counts ``dot_general`` equations, recursing into sub-jaxprs."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name == "dot_general"
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      count += _dot_generals(sub)
+  return count
+
+
+def test_capture_is_one_more_qk_pass():
+  """The traced forward: with capture, exactly one ``Q K^T`` more than without (the max pass)."""
+  q, k, v = cases.qkv(37)
+
+  def jaxpr(capture):
+    f = lambda q, k, v: mnn.attention(q, k, v, softmax_scale=cases.SCALE, impl="dpa_max", block_size=cases.BLOCK,
+                                      is_causal=True, return_max_logits=capture)
+    return jax.make_jaxpr(f)(q, k, v).jaxpr
+
+  assert _dot_generals(jaxpr(True)) == _dot_generals(jaxpr(False)) + 1
+
+
+# ----------------------------------------------------------------------------- modules
+
+MLA = dict(num_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=16,
+           qk_rope_head_dim=8, v_head_dim=16, block_size=cases.BLOCK)
+GQA = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=cases.BLOCK)
+
+
+class _Stack(nn.Module):
+  """Two scanned GQA layers: the sown maxima are stacked per layer."""
+
+  impl: str
+
+  @nn.compact
+  def __call__(self, x, *, segment_ids, padding_mask):
+    impl = self.impl
+
+    class Layer(nn.Module):
+      @nn.compact
+      def __call__(self, x, _):
+        attn = mnn.GroupedQueryAttention(**GQA, impl=impl, name="attn")
+        return x + attn(x, segment_ids=segment_ids, padding_mask=padding_mask), None
+
+    scanned = nn.scan(Layer, variable_axes={"params": 0, "intermediates": 0},
+                      split_rngs={"params": True}, length=2,
+                      metadata_params={nn.PARTITION_NAME: "layers"})
+    return scanned(name="layers")(x, None)[0]
+
+
+@pytest.mark.parametrize("name", ["MLA", "GQA_scanned"])
+def test_modules_sow_the_same_maxima_as_dense(name):
+  """The modules with ``impl="dpa_max"``: the same maxima as dense, bit for bit (the max pass
+  computes the very same products), and the same loss and gradients."""
+  b, t, dim = 2, 21, 32
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((b, t, dim)), jnp.float32)
+  segment_ids = jnp.asarray((np.arange(t)[None] >= np.array([[t], [9]])).astype(np.int32))
+  padding_mask = jnp.asarray(np.arange(t)[None] < np.array([[t], [t - 4]]))
+  if name == "MLA":
+    make = lambda impl: mnn.MultiHeadLatentAttention(**MLA, impl=impl)
+  else:
+    make = lambda impl: _Stack(impl)
+  kw = dict(segment_ids=segment_ids, padding_mask=padding_mask)
+  params = jax.jit(make("dense").init)(jax.random.key(0), x, **kw)
+
+  def run(impl):
+    def loss(params):
+      y, state = make(impl).apply(params, x, mutable=["intermediates"], **kw)
+      return jnp.sum(jnp.sin(y)), state["intermediates"]
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+  (l_d, inter_d), g_d = run("dense")
+  maxima = jax.tree.leaves(inter_d)
+  assert maxima and all(np.isfinite(np.asarray(m)).all() for m in maxima)
+  (l, inter), g = run("dpa_max")
+  chex.assert_trees_all_equal(inter, inter_d)
+  chex.assert_trees_all_close(l, l_d, rtol=1e-5)
+  chex.assert_trees_all_close(nn.unbox(g), nn.unbox(g_d), rtol=1e-4, atol=2e-5)

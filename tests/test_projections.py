@@ -461,7 +461,7 @@ def test_projection_names_are_checked():
     GQALayout(2, 2, 4, "split", "q_proj")  # names are keyword-only
 
 
-# ----------------------------------------------------------------------------- issue 12: strict inputs
+# ----------------------------------------------------------------------------- strict inputs
 
 
 def _library_mla(**kw):

@@ -705,27 +705,6 @@ def test_threshold_takes_the_types_muonclip_takes(threshold):
     mc.muonclip(0.1, layout=lay, qk_clip_threshold=ok)
 
 
-def test_the_old_spelling_threshold_is_deprecated():
-  """``threshold=`` was renamed ``qk_clip_threshold=`` (muonclip's and the metrics' name for
-  tau): still accepted for one release, with a warning naming the caller's line."""
-  lay = GQALayout(2, 2, 2)
-  params, _ = _gqa_case(0, lay)
-  ml = {"attn": {"max_logits": np.asarray([1.0, 6.0], np.float32)}}
-  calls = {
-      "qk_clip": lambda **kw: qk_clip(params, ml, layout=lay, **kw),
-      "qk_clip_stats": lambda **kw: qk_clip_stats(ml, **kw),
-      "clip_factors": lambda **kw: mc.clip_factors(ml["attn"]["max_logits"], **kw),
-      "qk_clip_transform": lambda **kw: mc.qk_clip_transform(layout=lay, **kw).init(params),
-  }
-  for name, call in calls.items():
-    with pytest.warns(DeprecationWarning, match=rf"{name}\(\): 'threshold' is deprecated .* use 'qk_clip_threshold'") as w:
-      old = call(threshold=3.0)
-    assert [x.filename for x in w] == [__file__], name
-    chex.assert_trees_all_equal(old, call(qk_clip_threshold=3.0))
-    with pytest.raises(TypeError, match=rf"{name}\(\) got both 'threshold' \(deprecated\) and 'qk_clip_threshold'"):
-      call(threshold=3.0, qk_clip_threshold=3.0)
-
-
 def test_errors():
   gqa = GQALayout(4, 2, 3)
   params, _ = _gqa_case(0, gqa)

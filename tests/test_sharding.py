@@ -126,32 +126,6 @@ def test_state_shardings_follow_params_and_small_leaves_are_replicated():
       "kernel"].sharding.is_fully_replicated
 
 
-def test_old_spellings_of_the_param_shardings_are_deprecated():
-  """``params_shardings`` (jit_train_step), ``shardings`` (init_state, state_shardings) and
-  ``split`` (orthogonalize_sharded) were renamed ``param_shardings`` / ``shard_split``: still
-  accepted for one release, with a warning that names the caller's line."""
-  mesh = _mesh("fsdp2x4")
-  params = {"w": jnp.ones((8, 16))}
-  ps = {"w": NamedSharding(mesh, P("fsdp", "model"))}
-  opt = optax.sgd(0.1)
-  with pytest.warns(DeprecationWarning, match=r"init_state\(\): 'shardings' is deprecated .* 'param_shardings'") as w:
-    state = sharding.init_state(opt, params, shardings=ps)
-  with pytest.warns(DeprecationWarning, match=r"state_shardings\(\): 'shardings' is deprecated") as w2:
-    ss = sharding.state_shardings(state, params, shardings=ps)
-  step = lambda p, s, b: (p, s, {"loss": b.sum()})
-  batch = jnp.ones((8,))
-  bs = sharding.batch_shardings(batch, mesh)
-  with pytest.warns(DeprecationWarning, match=r"jit_train_step\(\): 'params_shardings' is deprecated") as w3:
-    jitted = sharding.jit_train_step(step, params_shardings=ps, state_shardings=ss, batch_shardings=bs)
-  assert [x.filename for x in (*w, *w2, *w3)] == [__file__] * 3
-  assert jitted(params, state, batch)[0]["w"].sharding.is_equivalent_to(ps["w"], 2)
-  x = jnp.ones((1, 8, 8))
-  ns = functools.partial(_newton_schulz.newton_schulz, steps=5, coeffs="muon")
-  with pytest.warns(DeprecationWarning, match=r"orthogonalize_sharded\(\): 'split' is deprecated .* 'shard_split'"):
-    out = sharding.orthogonalize_sharded([x], [((0,), (1,), (2,))], ns, mesh=mesh, split="never")
-  np.testing.assert_allclose(np.asarray(out[0]), np.asarray(ns(x)), atol=2e-6)
-
-
 # ----------------------------------------------------------------------------- train step
 
 

@@ -78,8 +78,8 @@ def test_window_padding_and_empty_rows():
   allowed = win[None, None] & kv_mask[:, None, None, :]
 
   def loss(q, k, v, kv_mask):
-    out, m = splash_attention(q, k, v, softmax_scale=cases.SCALE, window=window,
-                              kv_mask=kv_mask, return_max_logits=True)
+    out, m = mnn.attention(q, k, v, softmax_scale=cases.SCALE, impl="splash", window=window,
+                           kv_mask=kv_mask, return_max_logits=True)
     return jnp.sum(out * jnp.cos(jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape))), (out, m)
 
   vg = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -101,7 +101,7 @@ def test_window_padding_and_empty_rows():
 
 
 def loss_dense(q, k, v, mask):
-  out, _ = mnn.dense_attention(q, k, v, softmax_scale=cases.SCALE, mask=mask)
+  out, _ = mnn.attention(q, k, v, softmax_scale=cases.SCALE, impl="dense", mask=mask)
   return jnp.sum(out * jnp.cos(jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape)))
 
 

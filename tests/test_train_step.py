@@ -40,7 +40,7 @@ def test_exact_clip_bounds_every_layer_of_a_deep_model(cfg):
   # tau = 1 sits below the initial max logits (about 2 to 4.6), and Muon at lr 0.05 pushes
   # them further up: every step clips, in every layer, and clipping layer l moves the input
   # of layer l+1 (one clip with one forward pass left up to 1.23 tau here).
-  # Metrics (issue 21): num_clipped / min_gamma say what the step did to the weights, the
+  # Metrics: num_clipped / min_gamma say what the step did to the weights, the
   # product of the factors over all passes (read off the MLA q^R columns, which scale by
   # exactly gamma_h); without the exact clip, muon_adamw clips nothing (the forward pass's
   # count above tau is num_above_threshold).

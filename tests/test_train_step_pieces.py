@@ -109,9 +109,8 @@ def test_one_tau_per_step():
     step_threshold(lambda count: 2.0, no_count, no_count)
   clip = view_opt_state(mc.qk_clip_transform(7.0, layout=LAYOUT).init(params))
   assert float(step_threshold(None, clip, clip)) == 7.0
-  with pytest.warns(DeprecationWarning, match="qk_clip_threshold is ignored because the optimizer clips") as w:
-    assert float(step_threshold(5.0, clip, clip)) == 7.0
-  assert [x.filename for x in w] == [__file__]
+  with pytest.raises(ValueError, match=r"make_train_step: qk_clip_threshold=5.0 was given, but the optimizer clips"):
+    step_threshold(5.0, clip, clip)
 
 
 @pytest.mark.parametrize("every_k", [1, 2])
@@ -160,12 +159,3 @@ def test_exact_clip_step_acts_only_where_the_weights_changed():
   chex.assert_trees_all_close(exact_clip_step(params, measure, updated=jnp.asarray(True), **kw)[0], out)
 
 
-def test_old_spelling_threshold_of_the_training_helpers_is_deprecated():
-  maxima = {"attn": jnp.array([4.0, 1.0])}
-  with pytest.warns(DeprecationWarning, match=r"clip_metrics\(\): 'threshold' is deprecated"):
-    old = mc.training.clip_metrics(maxima, threshold=3.0)
-  chex.assert_trees_all_equal(old, mc.training.clip_metrics(maxima, qk_clip_threshold=3.0))
-  measure = lambda p: maxima_on(capturing_forward(_loss_fn), p, X, None, 1)
-  with pytest.warns(DeprecationWarning, match=r"exact_qk_clip\(\): 'threshold' is deprecated"):
-    old = mc.training.exact_qk_clip(_params(), measure, threshold=1.0, layout=LAYOUT)
-  chex.assert_trees_all_equal(old, mc.training.exact_qk_clip(_params(), measure, qk_clip_threshold=1.0, layout=LAYOUT))

@@ -13,7 +13,6 @@ and each lives in its own module:
 * ``"dense"`` (``_dense``): the materialized reference, ``O(Tq * Tk)`` memory.
 * ``"chunked"`` (``_chunked``): online softmax in a ``lax.scan`` over key blocks; its
   running row maximum is the capture.
-* ``"pallas"`` (``_flash_pallas``): a fused Pallas Triton kernel (deprecated).
 * ``"dpa_max"`` (``_dpa_max``): ``jax.nn.dot_product_attention`` plus a max-only pass.
 * ``"splash"`` (``_splash``) and ``"tokamax_gpu"`` (``_tokamax_gpu``): tokamax's maintained
   TPU and GPU kernels (the optional ``tokamax`` extra, imported only when called).
@@ -29,21 +28,18 @@ from typing import Literal
 
 import jax
 
-from .._deprecation import renamed_keywords
 from ._auto import resolve_impl
 from ._chunked import chunked_attention
 from ._dense import dense_attention
 from ._dpa_max import dpa_max_attention
-from ._flash_pallas import pallas_attention
 from ._soft_cap import check_soft_cap
 from ._splash import splash_attention
 from ._tokamax_gpu import tokamax_gpu_attention
 
-AttentionImpl = Literal["auto", "dense", "chunked", "pallas", "dpa_max", "splash", "tokamax_gpu"]
-ATTENTION_IMPLS: tuple[str, ...] = ("auto", "dense", "chunked", "pallas", "dpa_max", "splash", "tokamax_gpu")
+AttentionImpl = Literal["auto", "dense", "chunked", "dpa_max", "splash", "tokamax_gpu"]
+ATTENTION_IMPLS: tuple[str, ...] = ("auto", "dense", "chunked", "dpa_max", "splash", "tokamax_gpu")
 
 
-@renamed_keywords(causal="is_causal")
 def attention(
     q: jax.Array,
     k: jax.Array,
@@ -60,28 +56,28 @@ def attention(
     kv_mask: jax.Array | None = None,
     return_max_logits: bool = False,
     logits_soft_cap: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Dispatches on ``impl``, the one place that chooses an implementation.
 
   * ``"dense"``: ``dense_attention``, the materialized reference.
   * ``"chunked"``: ``chunked_attention``, online softmax in ``lax.scan`` (key blocks of
     ``block_size``).
-  * ``"pallas"``: ``pallas_attention``, the fused Pallas flash kernel (Triton on GPU,
-    interpret mode on the CPU, an error on TPU); tiles of ``min(block_size, 64)`` rounded down to a power of
-    two. Does not take the explicit ``mask`` (``ValueError``).
   * ``"dpa_max"``: ``dpa_max_attention``, ``jax.nn.dot_product_attention`` (cuDNN where
     it applies) plus a max-only pass over key blocks of ``block_size``.
 
   * ``"splash"``: ``splash_attention``, tokamax's TPU splash kernel (interpret mode on the
-    CPU); no explicit ``mask``. Needs the ``tokamax`` extra.
+    CPU); no explicit ``mask``; a local ``window=(left, right)`` (query ``i`` sees key ``j``
+    only if ``i + Tk - Tq - left <= j <= i + Tk - Tq + right``, None unbounded on that side;
+    splash only: any other ``impl`` with a window raises ValueError). Needs the ``tokamax``
+    extra.
   * ``"tokamax_gpu"``: ``tokamax_gpu_attention``, tokamax's maintained GPU flash kernels
     (Mosaic GPU on SM90/SM100, else Triton; its XLA op on the CPU). Needs ``tokamax``.
   * ``"auto"`` (default): ``resolve_impl`` picks one of the above from the backend and
     the masks (splash on TPU, ``tokamax_gpu`` on GPU, ``dense`` on CPU), logging any
     fallback.
 
-  See ``dense_attention`` for the arguments and outputs, which all share (``is_causal``'s
-  deprecated spelling ``causal`` still works, with a DeprecationWarning).
+  See ``dense_attention`` for the arguments and outputs, which all share.
   ``logits_soft_cap`` (``cap * tanh(s / cap)`` before the softmax; the maxima stay those of
   the logits before the cap) is supported by ``"dense"``, and by ``"splash"`` without
   ``return_max_logits`` (splash keeps only the capped maximum); any other ``impl`` with a
@@ -102,6 +98,8 @@ def attention(
     impl = resolve_impl(q, k, v, mask=mask, is_causal=is_causal, logits_soft_cap=logits_soft_cap,
                         return_max_logits=return_max_logits)
   check_soft_cap(logits_soft_cap, impl if impl in ATTENTION_IMPLS else "dense", "attention")
+  if window is not None and impl != "splash":
+    raise ValueError(f"attention: window={window!r} is supported only with impl='splash', got impl={impl!r}")
   kwargs = dict(
       softmax_scale=softmax_scale, is_causal=is_causal, mask=mask, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids, q_mask=q_mask, kv_mask=kv_mask,
@@ -111,12 +109,11 @@ def attention(
     return dense_attention(q, k, v, logits_soft_cap=logits_soft_cap, **kwargs)
   if impl == "chunked":
     return chunked_attention(q, k, v, block_size=block_size, **kwargs)
-  if impl == "pallas":
-    return pallas_attention(q, k, v, block_size=block_size, **kwargs)
   if impl == "dpa_max":
     return dpa_max_attention(q, k, v, block_size=block_size, **kwargs)
   if impl == "splash":
-    return splash_attention(q, k, v, block_size=block_size, logits_soft_cap=logits_soft_cap, **kwargs)
+    return splash_attention(q, k, v, block_size=block_size, logits_soft_cap=logits_soft_cap, window=window,
+                            **kwargs)
   if impl == "tokamax_gpu":
     return tokamax_gpu_attention(q, k, v, **kwargs)
   raise ValueError(f"attention: impl must be one of {ATTENTION_IMPLS}, got {impl!r}")

@@ -18,7 +18,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .._deprecation import renamed_keywords
 from ._masking import (
     Static,
     blocked,
@@ -113,7 +112,6 @@ def _flash_bwd(cfg, res, cts):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-@renamed_keywords(causal="is_causal")
 def chunked_attention(
     q: jax.Array,
     k: jax.Array,
@@ -151,18 +149,18 @@ def chunked_attention(
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from muonclip_jax.nn import chunked_attention, dense_attention
+    >>> from muonclip_jax.nn import attention
     >>> q = k = v = jnp.linspace(-1.0, 1.0, 2 * 6 * 2 * 4).reshape(2, 6, 2, 4)
-    >>> out, m = chunked_attention(q, k, v, softmax_scale=0.5, is_causal=True, block_size=4,
-    ...                            return_max_logits=True)
-    >>> ref, ref_m = dense_attention(q, k, v, softmax_scale=0.5, is_causal=True, return_max_logits=True)
+    >>> out, m = attention(q, k, v, softmax_scale=0.5, impl="chunked", is_causal=True, block_size=4,
+    ...                    return_max_logits=True)
+    >>> ref, ref_m = attention(q, k, v, softmax_scale=0.5, impl="dense", is_causal=True, return_max_logits=True)
     >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-6)), bool(jnp.allclose(m, ref_m))
     ((2, 6, 2, 4), True, True)
   """
-  check_block_size(block_size, "chunked_attention")
+  check_block_size(block_size, "attention(impl='chunked')")
   q_side, k_side = check_and_prepare(
       q, k, v, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-      q_mask=q_mask, kv_mask=kv_mask, name="chunked_attention",
+      q_mask=q_mask, kv_mask=kv_mask, name="attention(impl='chunked')",
   )
   b, tq, h, _ = q.shape
   tk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]

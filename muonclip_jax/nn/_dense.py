@@ -22,12 +22,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .._deprecation import renamed_keywords
 from ._masking import Static, check_and_prepare, group, grouped_head_max, safe_shift, scores
 from ._soft_cap import check_soft_cap, soft_cap
 
 
-@renamed_keywords(causal="is_causal")
 def dense_attention(
     q: jax.Array,
     k: jax.Array,
@@ -53,8 +51,7 @@ def dense_attention(
     k: keys ``(B, Tk, Hkv, Dqk)``, ``H % Hkv == 0``.
     v: values ``(B, Tk, Hkv, Dv)``.
     softmax_scale: the factor applied to ``q . k`` (static Python float).
-    is_causal: mask keys after the query (bottom-right aligned). Deprecated spelling:
-      ``causal`` (DeprecationWarning).
+    is_causal: mask keys after the query (bottom-right aligned).
     mask: optional boolean mask broadcastable to ``(B, H, Tq, Tk)``, True = attend.
     q_segment_ids: optional ``(B, Tq)`` ints; with ``kv_segment_ids`` ``(B, Tk)``,
       only equal segments attend (packed sequences).
@@ -73,19 +70,19 @@ def dense_attention(
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from muonclip_jax.nn import dense_attention
+    >>> from muonclip_jax.nn import attention
     >>> q = jnp.ones((1, 3, 4, 8))      # 4 query heads
     >>> k = v = jnp.ones((1, 5, 2, 8))  # 2 key/value heads: grouped-query attention
     >>> kv_mask = jnp.array([[True, True, True, False, False]])  # the last two keys are padding
-    >>> out, max_logits = dense_attention(q, k, v, softmax_scale=0.5, kv_mask=kv_mask,
-    ...                                   return_max_logits=True)
+    >>> out, max_logits = attention(q, k, v, softmax_scale=0.5, impl="dense", kv_mask=kv_mask,
+    ...                             return_max_logits=True)
     >>> out.shape, max_logits.tolist()  # 0.5 * (q . k) = 0.5 * 8
     ((1, 3, 4, 8), [4.0, 4.0, 4.0, 4.0])
   """
-  check_soft_cap(logits_soft_cap, "dense", "dense_attention")
+  check_soft_cap(logits_soft_cap, "dense", "attention(impl='dense')")
   q_side, k_side = check_and_prepare(
       q, k, v, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-      q_mask=q_mask, kv_mask=kv_mask, name="dense_attention",
+      q_mask=q_mask, kv_mask=kv_mask, name="attention(impl='dense')",
   )
   b, tq, h, _ = q.shape
   tk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]

@@ -13,9 +13,9 @@ Cost: one extra ``Q K^T`` over every key block (masked blocks are not skipped): 
 forward and backward do about seven ``Q K^T``-sized matmuls (two forward, five backward),
 so the pass adds about 1/7 of their matmul FLOPs, about 2/7 under a causal mask (which
 the fused kernels halve). When to prefer it over a fused kernel (``"tokamax_gpu"``,
-``"splash"``, ``"pallas"``): when the backend's attention (cuDNN) is faster than the
+``"splash"``): when the backend's attention (cuDNN) is faster than the
 fused kernel by more than that; when no fused kernel applies (tokamax not installed, the
-CPU); for the explicit boolean ``mask``, which splash and the Pallas kernel do not take;
+CPU); for the explicit boolean ``mask``, which splash does not take;
 or when the maxima are needed only on some steps (with ``return_max_logits=False`` it is
 plain ``jax.nn.dot_product_attention``). A fused kernel's capture costs a store of the row
 maxima, not a second ``Q K^T``.
@@ -28,7 +28,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .._deprecation import renamed_keywords
 from ._masking import (
     Static,
     blocked,
@@ -99,7 +98,6 @@ def _backend_attention(cfg: Static, q, k, v, q_side, k_side) -> jax.Array:
   return out
 
 
-@renamed_keywords(causal="is_causal")
 def dpa_max_attention(
     q: jax.Array,
     k: jax.Array,
@@ -126,22 +124,22 @@ def dpa_max_attention(
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from muonclip_jax.nn import dense_attention, dpa_max_attention
+    >>> from muonclip_jax.nn import attention
     >>> q = jnp.linspace(-1.0, 1.0, 1 * 5 * 4 * 8).reshape(1, 5, 4, 8)  # 4 query heads
     >>> k = v = jnp.cos(jnp.arange(1 * 7 * 2 * 8.0)).reshape(1, 7, 2, 8)  # 2 key/value heads
     >>> pad = jnp.arange(7)[None, :] < 6  # the last key is padding
-    >>> out, m = dpa_max_attention(q, k, v, softmax_scale=0.35, kv_mask=pad, block_size=4,
-    ...                            return_max_logits=True)
-    >>> ref, ref_m = dense_attention(q, k, v, softmax_scale=0.35, kv_mask=pad, return_max_logits=True)
+    >>> out, m = attention(q, k, v, softmax_scale=0.35, impl="dpa_max", kv_mask=pad, block_size=4,
+    ...                    return_max_logits=True)
+    >>> ref, ref_m = attention(q, k, v, softmax_scale=0.35, impl="dense", kv_mask=pad, return_max_logits=True)
     >>> m.shape, bool(jnp.allclose(out, ref, atol=1e-6)), bool(jnp.allclose(m, ref_m))
     ((4,), True, True)
-    >>> dpa_max_attention(q, k, v, softmax_scale=0.35)[1] is None  # no capture: no extra pass
+    >>> attention(q, k, v, softmax_scale=0.35, impl="dpa_max")[1] is None  # no capture: no extra pass
     True
   """
-  check_block_size(block_size, "dpa_max_attention")
+  check_block_size(block_size, "attention(impl='dpa_max')")
   q_side, k_side = check_and_prepare(
       q, k, v, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-      q_mask=q_mask, kv_mask=kv_mask, name="dpa_max_attention",
+      q_mask=q_mask, kv_mask=kv_mask, name="attention(impl='dpa_max')",
   )
   tq, tk = q.shape[1], k.shape[1]
   whole = Static(float(softmax_scale), bool(is_causal), tq, tk, tk, False)

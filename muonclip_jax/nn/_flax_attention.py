@@ -41,11 +41,11 @@ so those calls take a dense path that materializes them (``impl="dense"`` only; 
 ``impl`` raises ValueError) and draws dropout exactly as Flax does (same ``dropout_rng``,
 same mask shapes), so outputs match Flax's.
 
-Masks with ``impl="pallas"`` or ``impl="splash"``: the fused kernel takes no explicit ``(B, H, Tq, Tk)`` mask,
+Masks with ``impl="splash"``: the fused kernel takes no explicit ``(B, H, Tq, Tk)`` mask,
 only causal masking and per-batch-row padding. Through ``attention_fn`` it therefore runs
 
 * causal self-attention given as ``is_causal=True`` with no mask:
-  ``functools.partial(dot_product_attention, impl="pallas", is_causal=True)`` for Linen
+  ``functools.partial(dot_product_attention, impl="splash", is_causal=True)`` for Linen
   (which never passes ``is_causal``), or ``is_causal=True`` in the call of an
   ``nnx.MultiHeadAttention`` (which always passes its own ``is_causal``);
 * a key padding mask, of a shape broadcastable as ``(B|1, 1, 1, Tk)`` (e.g.
@@ -118,7 +118,7 @@ def _to_4d(x: Any, name: str, batch: tuple[int, ...], full: tuple[int, int, int]
 
 
 def _key_padding(allowed: jax.Array, mask: Any, b: int, tk: int, *, is_causal: bool) -> jax.Array:
-  """The ``(B, Tk)`` ``kv_mask`` equal to a ``(B|1, H|1, Tq|1, Tk|1)`` mask, for ``impl="pallas"``.
+  """The ``(B, Tk)`` ``kv_mask`` equal to a ``(B|1, H|1, Tq|1, Tk|1)`` mask, for ``impl="splash"``.
 
   Only a mask without a head or query axis (a key padding mask, per batch row and shared
   by all heads and queries) is expressible; any other raises ValueError.
@@ -128,9 +128,9 @@ def _key_padding(allowed: jax.Array, mask: Any, b: int, tk: int, *, is_causal: b
   what = ("is_causal=True with q_length != kv_length (a top-left aligned causal mask)" if is_causal
           else f"a mask of shape {jnp.shape(mask)} (as (B, H, Tq, Tk): {allowed.shape})")
   raise ValueError(
-      f"dot_product_attention: impl='pallas' or 'splash' cannot apply {what}: the fused kernel takes no "
+      f"dot_product_attention: impl='splash' cannot apply {what}: the fused kernel takes no "
       "explicit (B, H, Tq, Tk) mask. Through attention_fn it supports causal self-attention as "
-      "functools.partial(dot_product_attention, impl='pallas', is_causal=True) with no mask "
+      "functools.partial(dot_product_attention, impl='splash', is_causal=True) with no mask "
       "(NNX: call the module with is_causal=True), and key padding masks of shape (B, 1, 1, Tk); "
       "for arbitrary masks use impl='dense', 'chunked' or 'dpa_max'"
   )
@@ -218,7 +218,7 @@ def dot_product_attention(
     is_causal: NNX's causal mask (key ``j`` attends query ``i`` iff ``j <= i``).
     impl: ``muonclip_jax.nn.attention``'s kernel, one of ``ATTENTION_IMPLS`` (default
       ``"auto"``: by backend, see ``attention``; a bias or dropout takes the dense path) (keyword-only,
-      never passed by Flax). ``"pallas"`` takes only key padding masks (see module doc).
+      never passed by Flax). ``"splash"`` takes only key padding masks (see module doc).
     block_size: key block of ``impl="chunked"``.
     logits_soft_cap: None, or a positive float ``cap``: the softmax reads
       ``cap * tanh(s / cap)`` of the scaled logit plus bias ``s`` (Gemma 2), keyword-only.
@@ -293,7 +293,7 @@ def dot_product_attention(
                                             dropout=dropout, dtype=dt, cap=logits_soft_cap)
     else:
       pair_mask, kv_mask = allowed, None
-      if impl in ("pallas", "splash") and allowed is not None:
+      if impl == "splash" and allowed is not None:
         pair_mask, kv_mask = None, _key_padding(allowed, mask, b, tk, is_causal=bool(is_causal) and not square_causal)
       out, max_logits = attention(q4, k4, v4, softmax_scale=scale, impl=impl, block_size=block_size,
                                   is_causal=square_causal, mask=pair_mask, kv_mask=kv_mask, return_max_logits=capture,

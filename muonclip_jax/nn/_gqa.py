@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from .._layouts import GQALayout
 from ._attention import AttentionImpl, attention
-from ._module_args import Initializer, check_input, mask_kwargs, resolve_renamed_fields, validate_common
+from ._module_args import Initializer, check_input, mask_kwargs, validate_common
 from ._rope import YarnScaling, apply_rope
 from . import _rope  # _rope.softmax_scale: the modules have a property of that name
 from ._sow import capturing, sow_head_max
@@ -79,16 +79,14 @@ class GroupedQueryAttention(nn.Module):
     yarn: optional ``YarnScaling`` (frequencies and softmax scale times ``mscale^2``).
     is_causal: causal self-attention (default True).
     impl: one of ``ATTENTION_IMPLS``: ``"auto"`` (default: splash on TPU, tokamax's
-      GPU kernels on GPU, dense on CPU), ``"dense"``, ``"chunked"``, ``"pallas"``, ``"dpa_max"``,
+      GPU kernels on GPU, dense on CPU), ``"dense"``, ``"chunked"``, ``"dpa_max"``,
       ``"splash"``, ``"tokamax_gpu"`` (see ``attention``).
-    block_size: key block length of ``"chunked"`` and ``"dpa_max"``; caps ``"pallas"`` tiles.
+    block_size: key block length of ``"chunked"`` and ``"dpa_max"``.
     clip_mode: ``GQALayout.clip_mode`` reported by ``layout`` (``"split"`` or ``"query"``).
     dtype: computation dtype (``None``: inferred).
     param_dtype: parameter dtype.
     kernel_init: initializer of every kernel.
     bias_init: initializer of the biases.
-    causal: deprecated spelling of ``is_causal`` (DeprecationWarning; removed in the next release).
-    attention_impl: deprecated spelling of ``impl`` (DeprecationWarning; removed in the next release).
 
   Example:
     >>> import jax
@@ -119,11 +117,8 @@ class GroupedQueryAttention(nn.Module):
   param_dtype: Any = jnp.float32
   kernel_init: Initializer = nn.initializers.lecun_normal()
   bias_init: Initializer = nn.initializers.zeros_init()
-  causal: bool | None = None  # deprecated: is_causal
-  attention_impl: AttentionImpl | None = None  # deprecated: impl
 
   def __post_init__(self):
-    resolve_renamed_fields(self)
     validate_gqa(
         type(self).__name__, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
         head_dim=self.head_dim, clip_mode=self.clip_mode, use_rope=self.use_rope,

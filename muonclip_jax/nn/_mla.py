@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from .._checks import check_positive_int
 from .._layouts import MLALayout
 from ._attention import AttentionImpl, attention
-from ._module_args import Initializer, check_input, mask_kwargs, resolve_renamed_fields, validate_common
+from ._module_args import Initializer, check_input, mask_kwargs, validate_common
 from ._rope import YarnScaling, apply_rope
 from . import _rope  # _rope.softmax_scale: the modules have a property of that name
 from ._sow import capturing, sow_head_max
@@ -137,15 +137,13 @@ class MultiHeadLatentAttention(nn.Module):
       checkpoints of DeepSeek-V3 / Kimi K2 then load without permuting columns.
     is_causal: causal self-attention (default True).
     impl: ``"auto"`` (default: splash on TPU, tokamax's GPU kernels on GPU, dense
-      on CPU), ``"dense"`` (materialized logits), ``"chunked"`` (online softmax), ``"pallas"``
-      (fused Pallas kernel), ``"dpa_max"``, ``"splash"`` or ``"tokamax_gpu"`` (see ``attention``).
-    block_size: key block length of ``"chunked"`` and ``"dpa_max"``; caps ``"pallas"`` tiles.
+      on CPU), ``"dense"`` (materialized logits), ``"chunked"`` (online softmax),
+      ``"dpa_max"``, ``"splash"`` or ``"tokamax_gpu"`` (see ``attention``).
+    block_size: key block length of ``"chunked"`` and ``"dpa_max"``.
     norm_epsilon: RMSNorm epsilon of ``q_norm`` and ``kv_norm``.
     dtype: computation dtype (``None``: inferred from inputs and params).
     param_dtype: parameter dtype.
     kernel_init: initializer of every kernel (wrapped with its logical axis names).
-    causal: deprecated spelling of ``is_causal`` (DeprecationWarning; removed in the next release).
-    attention_impl: deprecated spelling of ``impl`` (DeprecationWarning; removed in the next release).
 
   Example:
     >>> import jax
@@ -178,11 +176,8 @@ class MultiHeadLatentAttention(nn.Module):
   dtype: Any = None
   param_dtype: Any = jnp.float32
   kernel_init: Initializer = nn.initializers.lecun_normal()
-  causal: bool | None = None  # deprecated: is_causal
-  attention_impl: AttentionImpl | None = None  # deprecated: impl
 
   def __post_init__(self):
-    resolve_renamed_fields(self)
     validate_mla(
         type(self).__name__, num_heads=self.num_heads, q_lora_rank=self.q_lora_rank,
         kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,

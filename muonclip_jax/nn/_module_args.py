@@ -5,56 +5,19 @@ attention fields (``impl``, ``block_size``, ``rope_theta``, ``yarn``) and the sa
 arguments (``positions``, ``segment_ids``, ``padding_mask``, ``mask``); this module checks
 the former (``validate_common``) and turns the latter into ``attention``'s keyword
 arguments (``mask_kwargs``).
-
-Renamed fields (``RENAMED_FIELDS``): ``causal`` is now ``is_causal`` and ``attention_impl``
-is now ``impl``. The old spellings are still accepted for one release, with a
-DeprecationWarning pointing at the caller's line; Linen takes them as trailing fields
-(default None) that ``__post_init__`` moves over (``resolve_renamed_fields``), NNX as
-keyword arguments (``renamed_fields``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 
 from .._checks import check_positive_int
-from .._deprecation import renamed_value
 from ._attention import ATTENTION_IMPLS
 from ._rope import YarnScaling, default_positions
 
 Initializer = Callable[..., jax.Array]
-
-# (deprecated spelling, new spelling, the new field's default in every module)
-RENAMED_FIELDS = (("causal", "is_causal", True), ("attention_impl", "impl", "auto"))
-
-
-def renamed_fields(owner: str, given: Mapping[str, Any]) -> dict[str, Any]:
-  """The renamed fields' values, ``{new name: value}``.
-
-  ``given`` maps every old and new name of ``RENAMED_FIELDS`` to its value (None for an old
-  name not passed). An old name that was passed wins, with a DeprecationWarning attributed to
-  the user's line; a new name set to a different value too is
-  a TypeError (see ``renamed_value``).
-  """
-  return {new: renamed_value(owner, old, new, old_value=given[old], new_value=given[new], new_default=default)
-          for old, new, default in RENAMED_FIELDS}
-
-
-def resolve_renamed_fields(module: Any) -> None:
-  """For a Linen module's ``__post_init__``: moves each deprecated field to its new name.
-
-  The deprecated fields are then cleared (None), so the clones Flax builds from the
-  module's fields (``clone``, ``nn.scan``, ``nn.remat``, ``init``/``apply``) do not warn
-  again: one warning per construction.
-  """
-  given = {name: getattr(module, name) for old, new, _ in RENAMED_FIELDS for name in (old, new)}
-  for name, value in renamed_fields(type(module).__name__, given).items():
-    object.__setattr__(module, name, value)
-  for old, _, _ in RENAMED_FIELDS:
-    object.__setattr__(module, old, None)
 
 
 def validate_common(

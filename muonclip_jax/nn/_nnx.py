@@ -40,7 +40,7 @@ from .._layouts import GQALayout, MLALayout
 from ._attention import AttentionImpl, attention
 from ._gqa import gqa_qkv, validate_gqa
 from ._mla import mla_qkv, validate_mla
-from ._module_args import Initializer, check_input, mask_kwargs, renamed_fields
+from ._module_args import Initializer, check_input, mask_kwargs
 from ._rope import YarnScaling
 from . import _rope  # _rope.softmax_scale: the modules have a property of that name
 from ._sow import capturing, sow_head_max
@@ -64,9 +64,7 @@ class MultiHeadLatentAttentionNNX(nnx.Module):
 
   ``model(x, positions=None, segment_ids=None, padding_mask=None, mask=None)``; see the
   Linen docstring for the math, the parameter tree and the logical axis names, and this
-  module's docstring for capturing ``max_logits`` with ``nnx.capture``. The deprecated
-  keywords ``causal`` and ``attention_impl`` (now ``is_causal`` and ``impl``) still work for
-  one release, with a DeprecationWarning.
+  module's docstring for capturing ``max_logits`` with ``nnx.capture``.
 
   Example:
     >>> import jax.numpy as jnp
@@ -102,12 +100,7 @@ class MultiHeadLatentAttentionNNX(nnx.Module):
       kernel_init: Initializer = _default_kernel_init,
       eager_sharding: bool | None = False,
       rngs: nnx.Rngs,
-      causal: bool | None = None,
-      attention_impl: AttentionImpl | None = None,
   ):
-    renamed = renamed_fields(type(self).__name__, dict(
-        causal=causal, is_causal=is_causal, attention_impl=attention_impl, impl=impl))
-    is_causal, impl = renamed["is_causal"], renamed["impl"]
     self._layout = validate_mla(
         type(self).__name__, num_heads=num_heads, q_lora_rank=q_lora_rank,
         kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
@@ -183,9 +176,7 @@ class GroupedQueryAttentionNNX(nnx.Module):
   """NNX twin of ``GroupedQueryAttention`` (same math, parameter names and shapes).
 
   ``model(x, positions=None, segment_ids=None, padding_mask=None, mask=None)``; see the
-  Linen docstring and this module's docstring for capturing ``max_logits``. The deprecated
-  keywords ``causal`` and ``attention_impl`` (now ``is_causal`` and ``impl``) still work for
-  one release, with a DeprecationWarning.
+  Linen docstring and this module's docstring for capturing ``max_logits``.
 
   Example:
     >>> import jax.numpy as jnp
@@ -219,12 +210,7 @@ class GroupedQueryAttentionNNX(nnx.Module):
       bias_init: Initializer = _default_bias_init,
       eager_sharding: bool | None = False,
       rngs: nnx.Rngs,
-      causal: bool | None = None,
-      attention_impl: AttentionImpl | None = None,
   ):
-    renamed = renamed_fields(type(self).__name__, dict(
-        causal=causal, is_causal=is_causal, attention_impl=attention_impl, impl=impl))
-    is_causal, impl = renamed["is_causal"], renamed["impl"]
     self._layout = validate_gqa(
         type(self).__name__, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         clip_mode=clip_mode, use_rope=use_rope, impl=impl,

@@ -39,7 +39,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._deprecation import renamed_keywords
 from . import _tokamax_adapter
 from ._masking import check_and_prepare, head_max
 from ._residual_max import row_max_from_residual
@@ -53,7 +52,7 @@ def _default_interpret(backend: str) -> bool:
   if backend == "cpu":
     return True
   raise ValueError(
-      f"splash_attention: splash is a TPU kernel; on the '{backend}' backend pass "
+      f"attention(impl='splash'): splash is a TPU kernel; on the '{backend}' backend pass "
       "interpret=True explicitly (slow) or use impl='auto' / 'chunked' / 'dpa_max'"
   )
 
@@ -117,7 +116,6 @@ def _segment_ids(b, tq, tk, tq_p, tk_p, q_segment_ids, kv_segment_ids, q_mask, k
   return sq, sk
 
 
-@renamed_keywords(causal="is_causal")
 def splash_attention(
     q: jax.Array,
     k: jax.Array,
@@ -157,33 +155,33 @@ def splash_attention(
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from muonclip_jax.nn import dense_attention, splash_attention
+    >>> from muonclip_jax.nn import attention
     >>> q = k = v = jnp.linspace(-1.0, 1.0, 1 * 8 * 2 * 8).reshape(1, 8, 2, 8)
-    >>> out, m = splash_attention(q, k, v, softmax_scale=0.35, is_causal=True,
-    ...                           return_max_logits=True, interpret=True)  # Pallas interpret mode
-    >>> ref, ref_m = dense_attention(q, k, v, softmax_scale=0.35, is_causal=True, return_max_logits=True)
+    >>> out, m = attention(q, k, v, softmax_scale=0.35, impl="splash", is_causal=True,
+    ...                    return_max_logits=True)  # on the CPU: Pallas interpret mode
+    >>> ref, ref_m = attention(q, k, v, softmax_scale=0.35, impl="dense", is_causal=True, return_max_logits=True)
     >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-5)), bool(jnp.allclose(m, ref_m))
     ((1, 8, 2, 8), True, True)
   """
   if mask is not None:
     raise ValueError(
-        "splash_attention: an explicit boolean `mask` (B, H, Tq, Tk) array is not supported "
+        "attention(impl='splash'): an explicit boolean `mask` (B, H, Tq, Tk) array is not supported "
         "(splash's masks are static); use is_causal / window / segment ids / q_mask / kv_mask, "
         "or impl='dense', 'chunked' or 'dpa_max'"
     )
   if logits_soft_cap is not None and return_max_logits:
     raise ValueError(
-        "splash_attention: logits_soft_cap with return_max_logits=True: splash takes its "
+        "attention(impl='splash'): logits_soft_cap with return_max_logits=True: splash takes its "
         "running maximum after the cap, so it cannot report the pre-cap max logit QK-Clip "
         "bounds; use impl='dense' or 'chunked' for capped attention with capture"
     )
   if logits_soft_cap is not None and not logits_soft_cap > 0:
-    raise ValueError(f"splash_attention: logits_soft_cap must be > 0, got {logits_soft_cap!r}")
+    raise ValueError(f"attention(impl='splash'): logits_soft_cap must be > 0, got {logits_soft_cap!r}")
   if window is not None and (len(window) != 2 or any(w is not None and w < 0 for w in window)):
-    raise ValueError(f"splash_attention: window must be (left, right) of ints >= 0 or None, got {window!r}")
+    raise ValueError(f"attention(impl='splash'): window must be (left, right) of ints >= 0 or None, got {window!r}")
   q_side, k_side = check_and_prepare(
       q, k, v, mask=None, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-      q_mask=q_mask, kv_mask=kv_mask, name="splash_attention",
+      q_mask=q_mask, kv_mask=kv_mask, name="attention(impl='splash')",
   )
   b, tq, h, _ = q.shape
   tk = k.shape[1]
@@ -196,7 +194,7 @@ def splash_attention(
   if empty is not None:
     what = f"causal with Tq {tq} > Tk {tk}" if is_causal and tq > tk else f"window={window!r}"
     raise ValueError(
-        f"splash_attention: {what} leaves query row {empty} (of {tq}, padded to {tq_p}) without "
+        f"attention(impl='splash'): {what} leaves query row {empty} (of {tq}, padded to {tq_p}) without "
         "any key in the static mask, which splash does not support; use impl='chunked'"
     )
   static_mask = _static_mask(mask_lib, (tq_p, tk_p), is_causal=bool(is_causal), window=window,

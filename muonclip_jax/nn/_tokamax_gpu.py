@@ -37,7 +37,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .._deprecation import renamed_keywords
 from . import _tokamax_adapter
 from ._masking import Static, check_and_prepare, dense_mask, head_max
 from ._residual_max import row_max_from_residual
@@ -58,7 +57,7 @@ def default_implementation(backend: str, compute_capability: str | None = None) 
         major = None
     return "mosaic_gpu" if major in (9, 10) else "triton"
   raise ValueError(
-      f"tokamax_gpu_attention: no GPU kernel for the '{backend}' backend; use impl='splash' on "
+      f"attention(impl='tokamax_gpu'): no GPU kernel for the '{backend}' backend; use impl='splash' on "
       "TPU or impl='auto'"
   )
 
@@ -68,7 +67,6 @@ def _device_capability() -> str | None:
   return getattr(dev, "compute_capability", None)
 
 
-@renamed_keywords(causal="is_causal")
 def tokamax_gpu_attention(
     q: jax.Array,
     k: jax.Array,
@@ -96,17 +94,17 @@ def tokamax_gpu_attention(
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from muonclip_jax.nn import dense_attention, tokamax_gpu_attention
+    >>> from muonclip_jax.nn import attention
     >>> q = k = v = jnp.linspace(-1.0, 1.0, 1 * 8 * 2 * 8).reshape(1, 8, 2, 8)
-    >>> out, m = tokamax_gpu_attention(q, k, v, softmax_scale=0.35, is_causal=True,
-    ...                                return_max_logits=True, implementation="xla")  # any backend
-    >>> ref, ref_m = dense_attention(q, k, v, softmax_scale=0.35, is_causal=True, return_max_logits=True)
+    >>> out, m = attention(q, k, v, softmax_scale=0.35, impl="tokamax_gpu", is_causal=True,
+    ...                    return_max_logits=True)  # on the CPU: tokamax's XLA op
+    >>> ref, ref_m = attention(q, k, v, softmax_scale=0.35, impl="dense", is_causal=True, return_max_logits=True)
     >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-5)), bool(jnp.allclose(m, ref_m))
     ((1, 8, 2, 8), True, True)
   """
   q_side, k_side = check_and_prepare(
       q, k, v, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-      q_mask=q_mask, kv_mask=kv_mask, name="tokamax_gpu_attention",
+      q_mask=q_mask, kv_mask=kv_mask, name="attention(impl='tokamax_gpu')",
   )
   if implementation is None:
     backend = jax.default_backend()
@@ -115,12 +113,12 @@ def tokamax_gpu_attention(
   ops = _tokamax_adapter.attention_implementations("impl='tokamax_gpu'")
   if implementation not in ops or implementation not in GPU_IMPLEMENTATIONS + ("xla",):
     raise ValueError(
-        f"tokamax_gpu_attention: implementation {implementation!r} is not available; tokamax "
+        f"attention(impl='tokamax_gpu'): implementation {implementation!r} is not available; tokamax "
         f"offers {sorted(ops)} here, this path uses {GPU_IMPLEMENTATIONS + ('xla',)}"
     )
   op = ops[implementation]
   if getattr(op, "use_stable_softmax", True) is False:
-    raise ValueError(f"tokamax_gpu_attention: op {implementation!r} has no stable softmax: "
+    raise ValueError(f"attention(impl='tokamax_gpu'): op {implementation!r} has no stable softmax: "
                      "its residual is not a row maximum")
   b, tq, h, _ = q.shape
   tk = k.shape[1]
