@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ._checks import check_bool
 from ._accumulation import MultiStepsMaxLogitsState, merge_max_logits
 from ._max_logits import collect_max_logits, nest_max_logits
 from ._qk_clip import init_max_logits
@@ -62,6 +63,7 @@ def multi_steps(
     >>> params["attn"]["wq"]["kernel"][0]  # clipped once, with the maximum over both
     Array([0.5, 0.5, 0.5, 0.5, 1. , 1. , 1. , 1. ], dtype=float32)
   """
+  check_bool("multi_steps: use_grad_mean", use_grad_mean)
   inner = optax.MultiSteps(opt, every_k_schedule, use_grad_mean=use_grad_mean,
                            should_skip_update_fn=should_skip_update_fn)
 

@@ -25,7 +25,7 @@ import optax
 
 from . import _newton_schulz
 from ._boxes import MetadataMemo
-from ._checks import check_number
+from ._checks import check_bool, check_number
 from ._matrix_axes import MatrixAxesSpec, from_matrices, to_matrices
 from ._paths import path_str
 from ._routing import matrix_axes_lookup, matrix_dims
@@ -256,6 +256,7 @@ def scale_by_muon(
                                or ns_batch < 1):
     raise ValueError(f"ns_batch must be None or an int >= 1, got {ns_batch!r}")
   batch = 1 if ns_batch is None else int(ns_batch)  # orthogonalize_leaves takes the number itself
+  check_bool("nesterov", nesterov)
   check_number("beta", beta, low=0.0, high=1.0, high_open=True)
   check_number("rms_scale", rms_scale, low=0.0)
   check_number("eps", eps, low=0.0)

@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ._checks import check_bool
 from ._deprecation import renamed_keywords
 from ._distributed_ns import mesh_of
 from ._distributed_ns import orthogonalize_sharded as orthogonalize_sharded
@@ -333,6 +334,7 @@ def jit_train_step(step: Callable, param_shardings: Any, state_shardings: Any, b
     >>> metrics["max_logits"]["attn"], int(metrics["num_clipped"]), float(metrics["min_gamma"])  # gamma 10 / 128
     (Array([128., 128.], dtype=float32), 2, 0.078125)
   """
+  check_bool("jit_train_step: donate", donate)
   mesh = mesh_of(param_shardings)
   replicated = NamedSharding(mesh, P())
   # jit applies in_shardings to positional arguments only: rng is passed positionally

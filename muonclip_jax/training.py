@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import optax
 
-from ._checks import check_number
+from ._checks import check_bool, check_number
 from ._exact_clip import exact_clip_step, exact_qk_clip, exact_rtol
 from ._forward import LossFn, capturing_forward
 from ._max_logits import nest_max_logits
@@ -145,6 +145,7 @@ def make_train_step(
     raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
   if qk_clip_threshold is not None and not callable(qk_clip_threshold):
     check_number("qk_clip_threshold", qk_clip_threshold, low=0.0, low_open=True)
+  check_bool("exact_clip", exact_clip)
   if exact_clip and layout is None:
     raise ValueError("make_train_step: exact_clip=True needs the layout")
   opt = optax.with_extra_args_support(optimizer)

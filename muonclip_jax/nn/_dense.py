@@ -85,7 +85,7 @@ def dense_attention(
   check_soft_cap(logits_soft_cap, "dense", "dense_attention")
   q_side, k_side = check_and_prepare(
       q, k, v, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-      q_mask=q_mask, kv_mask=kv_mask, name="dense_attention",
+      q_mask=q_mask, kv_mask=kv_mask, name="dense_attention", is_causal=is_causal, return_max_logits=return_max_logits,
   )
   b, tq, h, _ = q.shape
   tk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]

@@ -35,6 +35,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from .._checks import check_bool
 from .._deprecation import renamed_keywords, user_stacklevel
 from ._flash_pallas_kernels import MAX_TILE, KernelConfig, flash, pow2_at_least, tile
 from ._masking import check_and_prepare, check_block_size, head_max, pad_axis
@@ -104,10 +105,11 @@ def pallas_attention(
   check_block_size(block_size, "pallas_attention")
   q_side, k_side = check_and_prepare(
       q, k, v, mask=None, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-      q_mask=q_mask, kv_mask=kv_mask, name="pallas_attention",
+      q_mask=q_mask, kv_mask=kv_mask, name="pallas_attention", is_causal=is_causal, return_max_logits=return_max_logits,
   )
   b, tq, h, d = q.shape
   tk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+  check_bool("pallas_attention: interpret", interpret, allow_none=True)
   if interpret is None:
     interpret = _default_interpret(jax.default_backend())
   if not interpret:

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._checks import check_bool
 from .._deprecation import renamed_keywords
 from . import _tokamax_adapter
 from ._masking import check_and_prepare, head_max
@@ -183,10 +184,11 @@ def splash_attention(
     raise ValueError(f"splash_attention: window must be (left, right) of ints >= 0 or None, got {window!r}")
   q_side, k_side = check_and_prepare(
       q, k, v, mask=None, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-      q_mask=q_mask, kv_mask=kv_mask, name="splash_attention",
+      q_mask=q_mask, kv_mask=kv_mask, name="splash_attention", is_causal=is_causal, return_max_logits=return_max_logits,
   )
   b, tq, h, _ = q.shape
   tk = k.shape[1]
+  check_bool("splash_attention: interpret", interpret, allow_none=True)
   if interpret is None:
     interpret = _default_interpret(jax.default_backend())
   kernel_lib, mask_lib, base = _tokamax_adapter.splash_modules("impl='splash'")
