@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from ._checks import check_bool
+from ._frozen_leaves import skip_frozen_leaves
 from ._accumulation import MultiStepsMaxLogitsState, merge_max_logits
 from ._max_logits import collect_max_logits, nest_max_logits
 from ._qk_clip import init_max_logits
@@ -86,4 +87,4 @@ def multi_steps(
     reset = {m: jnp.where(done, -jnp.inf, v) for m, v in running.items()}
     return updates, MultiStepsMaxLogitsState(inner_state, nest_max_logits(reset))
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return skip_frozen_leaves(optax.GradientTransformationExtraArgs(init_fn, update_fn))

@@ -24,6 +24,7 @@ from ._layouts import check_layout
 from ._matrix_axes import MatrixAxesSpec
 from ._qk_clip import qk_clip, qk_clip_stats, threshold_or_nan
 from ._boxes import names_by_path
+from ._frozen_leaves import skip_frozen_leaves
 
 _MISSING_MAX_LOGITS = (
     "{name}: max_logits is missing, but the clip threshold is {tau!r}; pass "
@@ -175,7 +176,7 @@ def qk_clip_transform(qk_clip_threshold: Any, *, layout: Any) -> optax.GradientT
     min_gamma = jnp.min(jnp.stack([jnp.min(s["min_gamma"]) for s in stats]))
     return new_updates, _state(count, tau, num_clipped, min_gamma)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return skip_frozen_leaves(optax.GradientTransformationExtraArgs(init_fn, update_fn))
 
 
 def muonclip(
