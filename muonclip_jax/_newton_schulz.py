@@ -266,9 +266,10 @@ def newton_schulz(
   gram = method == "gram" or (method == "auto" and n >= GRAM_ASPECT * m)
   xf = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True)
+  amax = jnp.where(amax > 0, amax, 1.0)
   y = divide_by_max(xf, amax)
   norm = jnp.sqrt(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True))
-  floor = eps / jnp.where(amax > 0, amax, 1.0)  # 0 (flushed) for large amax, where norm >= 1 anyway
+  floor = eps / amax  # 0 (flushed) for a large amax, where norm >= 1 anyway
   if normalize == "frobenius":
     X = (y / (norm * norm_scale + floor)).astype(dtype)
   else:  # divided by the Frobenius norm first (keeps bf16 in range); the S4 scale comes later
@@ -290,13 +291,14 @@ def divide_by_max(xf: jax.Array, amax: jax.Array) -> jax.Array:
   ``newton_schulz`` normalizes this, not ``x``: the squares of entries above ~1.8e19
   overflow float32, those of ``x / max |x|`` (at most 1) never do. XLA compiles a division
   by a broadcast scalar as ``x * (1 / a)``, and ``1 / a`` is subnormal for ``a > 2^126``
-  (8.5e37), which CPUs and GPUs flush to zero (then 0 / 0 = NaN further on). So for
+  (8.5e37), which XLA:CPU flushes to zero (then 0 / 0 = NaN further on). So for
   ``a >= 2^64`` both ``x`` and ``a`` are first multiplied by ``2^-64`` (exact: a power of
   two), which keeps ``1 / a`` normal up to float32's largest value; entries that this makes
   subnormal are below ``2^-126`` of the largest, far under float32's resolution of it.
   """
   pre = jnp.where(amax >= _PRESCALE_ABOVE, 1.0 / _PRESCALE_ABOVE, 1.0)
-  return (xf * pre) / jnp.where(amax > 0, amax * pre, 1.0)
+  inv = 1.0 / jnp.where(amax > 0, amax * pre, 1.0)  # normal: at least 2^-64 after the prescale
+  return (xf * pre) * inv
 
 
 def ns_flops(shape: tuple[int, ...], *, steps: int | None = 5, coeffs: Any = "muon",
