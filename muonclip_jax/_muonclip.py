@@ -21,6 +21,7 @@ from ._alias import muon_adamw
 from ._checks import check_number
 from ._deprecation import renamed_keywords
 from ._layouts import check_layout
+from ._max_logits import CAPTURE_HINT
 from ._matrix_axes import MatrixAxesSpec
 from ._qk_clip import qk_clip, qk_clip_stats, threshold_or_nan
 from ._boxes import names_by_path
@@ -28,9 +29,8 @@ from ._frozen_leaves import skip_frozen_leaves
 
 _MISSING_MAX_LOGITS = (
     "{name}: max_logits is missing, but the clip threshold is {tau!r}; pass "
-    "opt.update(grads, state, params, max_logits=intermediates) with the 'intermediates' "
-    "collection of model.apply(..., mutable=['intermediates']), or set the threshold to None "
-    "to turn the clip off"
+    "opt.update(grads, state, params, max_logits=intermediates), or set the threshold to None "
+    "to turn the clip off. " + CAPTURE_HINT
 )
 
 
