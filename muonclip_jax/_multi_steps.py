@@ -44,7 +44,10 @@ def multi_steps(
     layout: the attention layout (as for ``muonclip``); it sizes the running maximum.
       Maxima written below the attention module as ``(..., batch, heads)`` (MaxText) are
       passed as ``max_logits=muonclip_jax.reduce_max_logits(intermediates)``.
-    use_grad_mean, should_skip_update_fn: as for ``optax.MultiSteps``.
+    use_grad_mean, should_skip_update_fn: as for ``optax.MultiSteps`` (``use_grad_mean`` a
+      ``bool``: anything else is a TypeError).
+
+  Non-float and zero-size leaves get a zero update, and no accumulator (see ``muon``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a

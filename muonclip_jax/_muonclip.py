@@ -87,7 +87,8 @@ def qk_clip_transform(qk_clip_threshold: Any, *, layout: Any) -> optax.GradientT
   Only the query/key leaves that ``qk_clip`` changes get ``u' = clipped - params``; every
   other leaf, and every element of a head that is not clipped, keeps its update bit for bit.
   The state (``QKClipState``) records the tau, the number of clipped heads and the
-  smallest gamma of the last update.
+  smallest gamma of the last update. Non-float and zero-size leaves get a zero update
+  (see ``muon``); a head whose max logit is +inf is left unclipped (see ``qk_clip``).
 
   It must be the last transform: ``params + u'`` is the clipped weights only if nothing
   changes ``u'`` afterwards. ``optax.chain(qk_clip_transform(...), optax.scale(0.5))``

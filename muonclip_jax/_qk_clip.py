@@ -274,7 +274,8 @@ def qk_clip(params: Any, max_logits: Any, *, qk_clip_threshold: Any, layout: Any
     ``params`` with the same structure, box types, dtypes and shardings.
 
   Raises:
-    ValueError: a concrete ``qk_clip_threshold`` that is NaN or <= 0; no ``max_logits`` leaf; a module
+    ValueError: a concrete ``qk_clip_threshold`` that is NaN or <= 0; no ``max_logits`` leaf
+      (the message gives Linen's and NNX's ways to capture them); a module
       without the projections its layout names (or with both ``wq`` and ``wq_b`` for MLA);
       a kernel that fits no form, or two; head counts or widths that disagree with the
       kernels or the maxima; leading stack shapes that differ; an MLA ``wkv_a`` whose rotary

@@ -305,7 +305,8 @@ def jit_train_step(step: Callable, param_shardings: Any, state_shardings: Any, b
     state_shardings: ``state_shardings(...)`` (or ``jax.tree.map(lambda x: x.sharding,
       init_state(...))``).
     batch_shardings: ``batch_shardings(batch, mesh)``.
-    donate: donate params and state (their buffers are reused for the outputs).
+    donate: donate params and state (their buffers are reused for the outputs); a ``bool``
+      (anything else is a TypeError).
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, muonclip_jax as mc

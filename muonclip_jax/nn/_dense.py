@@ -53,7 +53,8 @@ def dense_attention(
     k: keys ``(B, Tk, Hkv, Dqk)``, ``H % Hkv == 0``.
     v: values ``(B, Tk, Hkv, Dv)``.
     softmax_scale: the factor applied to ``q . k`` (static Python float).
-    is_causal: mask keys after the query (bottom-right aligned). Deprecated spelling:
+    is_causal: mask keys after the query (bottom-right aligned); a bool, as
+      ``return_max_logits`` (TypeError otherwise: ``"False"`` is truthy). Deprecated spelling:
       ``causal`` (DeprecationWarning).
     mask: optional boolean mask broadcastable to ``(B, H, Tq, Tk)``, True = attend.
     q_segment_ids: optional ``(B, Tq)`` ints; with ``kv_segment_ids`` ``(B, Tk)``,

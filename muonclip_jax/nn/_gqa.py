@@ -80,7 +80,8 @@ class GroupedQueryAttention(nn.Module):
     use_rope: apply RoPE to queries and keys.
     rope_theta: RoPE base.
     yarn: optional ``YarnScaling`` (frequencies and softmax scale times ``mscale^2``).
-    is_causal: causal self-attention (default True).
+    is_causal: causal self-attention (default True). ``qkv_bias``, ``use_rope`` and
+      ``is_causal`` are bools: anything else (``"False"`` is truthy) is a TypeError.
     impl: one of ``ATTENTION_IMPLS``: ``"auto"`` (default: splash on TPU, tokamax's
       GPU kernels on GPU, dense on CPU), ``"dense"``, ``"chunked"``, ``"pallas"``, ``"dpa_max"``,
       ``"splash"``, ``"tokamax_gpu"`` (see ``attention``).

@@ -134,7 +134,8 @@ class MultiHeadLatentAttention(nn.Module):
     rope_interleave: rotate the pairs ``(2i, 2i+1)`` of each rotary part (DeepSeek-V3's
       reference and Hugging Face's ``rope_interleave``) instead of ``(i, i + dr/2)``;
       checkpoints of DeepSeek-V3 / Kimi K2 then load without permuting columns.
-    is_causal: causal self-attention (default True).
+    is_causal: causal self-attention (default True). ``rope_interleave`` and ``is_causal``
+      are bools: anything else (``"False"`` is truthy) is a TypeError.
     impl: ``"auto"`` (default: splash on TPU, tokamax's GPU kernels on GPU, dense
       on CPU), ``"dense"`` (materialized logits), ``"chunked"`` (online softmax), ``"pallas"``
       (fused Pallas kernel), ``"dpa_max"``, ``"splash"`` or ``"tokamax_gpu"`` (see ``attention``).
