@@ -27,7 +27,11 @@ import optax
 def is_frozen(leaf: Any) -> bool:
   """True for a leaf no optimizer changes: a dtype that is not inexact (integers, booleans,
   ``float0``) or no element. Reads only the dtype and the shape (works on abstract values)."""
-  dtype = leaf.dtype if hasattr(leaf, "dtype") else jnp.result_type(leaf)
+  dtype = getattr(leaf, "dtype", None)
+  if dtype is None:
+    if not isinstance(leaf, (bool, int, float, complex)):
+      return False  # not an array (e.g. the placeholder optax.tree_map_params initializes with)
+    dtype = jnp.result_type(leaf)
   return not jnp.issubdtype(dtype, jnp.inexact) or 0 in jnp.shape(leaf)
 
 

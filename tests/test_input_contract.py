@@ -216,7 +216,7 @@ def test_missing_maxima_give_the_nnx_cure_too():
   cure = r"nnx.capture\(model, nnx.Intermediate\).*sow_weights=True"
   with pytest.raises(ValueError, match=r"mutable=\['intermediates'\].*" + cure):
     mc.qk_clip(nnx.state(mha, nnx.Param), intermediates, qk_clip_threshold=1.0, layout=layout)
-  opt = mc.muonclip(0.1, layout=LAYOUT)
+  opt = mc.qk_clip_transform(100.0, layout=LAYOUT)  # muonclip's clip
   with pytest.raises(ValueError, match=r"max_logits is missing.*" + cure):
     opt.update(jax.tree.map(jnp.zeros_like, PARAMS), opt.init(PARAMS), PARAMS)
   _, intermediates = nnx.capture(mha, nnx.Intermediate)(x, sow_weights=True)  # the cure
