@@ -267,9 +267,9 @@ def newton_schulz(
   xf = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True)
   amax = jnp.where(amax > 0, amax, 1.0)
-  y = divide_by_max(xf, amax)
+  y = divide_by_max(xf, amax)  # |y| <= 4: no square overflows
   norm = jnp.sqrt(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True))
-  floor = eps / amax  # 0 (flushed) for a large amax, where norm >= 1 anyway
+  floor = eps / amax  # 0 (flushed) for an amax above ~1e31, where norm >= 1 anyway
   if normalize == "frobenius":
     X = (y / (norm * norm_scale + floor)).astype(dtype)
   else:  # divided by the Frobenius norm first (keeps bf16 in range); the S4 scale comes later
@@ -281,24 +281,19 @@ def newton_schulz(
   return X.astype(x.dtype)
 
 
-# A largest entry at least this large is scaled down before its reciprocal is taken (``divide_by_max``).
-_PRESCALE_ABOVE = 2.0**64
-
-
 def divide_by_max(xf: jax.Array, amax: jax.Array) -> jax.Array:
-  """``xf / amax`` for a float32 ``xf`` and its largest magnitude ``amax`` (keepdims; 0 stays 0).
+  """``xf / amax`` (times a factor in (1, 4] for ``amax > 2^126``), for a float32 ``xf`` and
+  its largest magnitude ``amax > 0`` (keepdims): entries of magnitude at most 4.
 
   ``newton_schulz`` normalizes this, not ``x``: the squares of entries above ~1.8e19
-  overflow float32, those of ``x / max |x|`` (at most 1) never do. XLA compiles a division
-  by a broadcast scalar as ``x * (1 / a)``, and ``1 / a`` is subnormal for ``a > 2^126``
-  (8.5e37), which XLA:CPU flushes to zero (then 0 / 0 = NaN further on). So for
-  ``a >= 2^64`` both ``x`` and ``a`` are first multiplied by ``2^-64`` (exact: a power of
-  two), which keeps ``1 / a`` normal up to float32's largest value; entries that this makes
-  subnormal are below ``2^-126`` of the largest, far under float32's resolution of it.
+  overflow float32, those of this never do. XLA compiles a division by a broadcast scalar
+  as a product with its reciprocal, and for ``amax > 2^126`` (8.5e37) ``1 / amax`` is
+  subnormal, which XLA:CPU flushes to zero (0 / 0 = NaN further on). So the divisor is
+  capped at 2^126, whose reciprocal is float32's smallest normal number: above the cap the
+  result is ``xf / amax`` times ``amax / 2^126``, a scale the norm divides out next; below
+  it, the quotient it always was.
   """
-  pre = jnp.where(amax >= _PRESCALE_ABOVE, 1.0 / _PRESCALE_ABOVE, 1.0)
-  inv = 1.0 / jnp.where(amax > 0, amax * pre, 1.0)  # normal: at least 2^-64 after the prescale
-  return (xf * pre) * inv
+  return xf / jnp.minimum(amax, 2.0**126)
 
 
 def ns_flops(shape: tuple[int, ...], *, steps: int | None = 5, coeffs: Any = "muon",

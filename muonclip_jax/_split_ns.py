@@ -121,8 +121,9 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
   p = jax.lax.axis_index(axes)
   xf = x.astype(jnp.float32)
   amax = jax.lax.pmax(jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True), axes)
-  y = nsm.divide_by_max(xf, amax)  # |y| <= 1: no square overflows (see newton_schulz)
-  floor = eps / jnp.where(amax > 0, amax, 1.0)
+  amax = jnp.where(amax > 0, amax, 1.0)
+  y = nsm.divide_by_max(xf, amax)  # |y| <= 4: no square overflows (see newton_schulz)
+  floor = eps / amax
   X = y.astype(dtype)
   gram_f = lambda X, t=None: jax.lax.psum(nsm.gram_of(X, False, t), axes)
   A = gram_f(X, jnp.float32)  # X X^T of x / max |x|, float32: its trace is the squared norm

@@ -179,6 +179,11 @@ def test_zero_size_and_integer_leaves_under_shard_orthogonalization():
   ref, _ = jax.jit(mc.scale_by_muon().update)({"w": grads["w"]}, mc.scale_by_muon().init({"w": params["w"]}))
   np.testing.assert_allclose(updates["w"], ref["w"], atol=1e-5)
   assert updates["rows0"].shape == (0, 8) and not np.any(np.asarray(updates["table"]))
+  # Called directly, the sharded orthogonalization takes zero-size matrices too.
+  xs = [jnp.ones((0, 8)), grads["w"], jnp.ones((3, 0, 4))]
+  axes = [((), (0,), (1,)), ((), (0,), (1,)), ((0,), (1,), (2,))]
+  out = jax.jit(lambda *a: sharding.orthogonalize_sharded(list(a), axes, mc.newton_schulz, mesh=mesh))(*xs)
+  assert [o.shape for o in out] == [(0, 8), (8, 16), (3, 0, 4)]
 
 
 # ----------------------------------------------------------------------------- non-finite maxima
