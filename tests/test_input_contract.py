@@ -145,7 +145,7 @@ def test_non_float_and_zero_size_leaves_get_a_zero_update_and_no_state(name):
   assert float(jnp.max(jnp.abs(updates["mlp"]["kernel"]))) > 0.0
 
 
-def test_labels_and_the_train_step_with_an_integer_counter_in_the_params():
+def test_train_step_with_an_integer_counter_in_the_params():
   """``make_train_step`` differentiates integer leaves with ``allow_int`` (zero gradients),
   casts only float leaves to ``compute_dtype``, and ``muon_adamw`` leaves the counter; the
   maxima are optional for an optimizer that does not clip."""
