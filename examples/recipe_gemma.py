@@ -10,7 +10,8 @@ leaf is ``w``, ``q_einsum/w`` ``(heads, embed, head_dim)``, ``kv_einsum/w``
   cap: the cap hides the growth of ``q . k`` but does not stop it (a capture after it could
   never exceed the cap).
 * ``qk_norm``: Gemma 3's RMSNorm of each head's q and k (``_query_norm``/``_key_norm``,
-  scale ``(head_dim,)`` shared by heads, applied as ``x * (1 + scale)``). Scaling the
+  scale ``(head_dim,)`` shared by heads, applied as ``x * (1 + scale)``, hence
+  ``norm_scale_offset=1.0``; Gemma 4's QK-norm applies ``x * scale``, offset 0). Scaling the
   kernels would be undone by the norm, so the layout names the norms and the clip scales
   their ``scale`` (per layer, by the smallest gamma over its heads, which is weaker than
   per-head clipping; see ``muonclip_jax.GQALayout``).

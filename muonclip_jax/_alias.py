@@ -11,6 +11,7 @@ import numpy as np
 import optax
 
 from ._checks import check_number
+from ._frozen_leaves import skip_frozen_leaves
 from ._matrix_axes import MatrixAxesSpec
 from ._muon import scale_by_muon
 from ._labels import ADAM, MUON, muon_labels, remembering_labels
@@ -37,7 +38,7 @@ def muon(
     matrix_axes: MatrixAxesSpec = None,
     shard_orthogonalization: Any = None,
     shard_split: str = "auto",
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   """Muon for weight matrices, as in Kimi K2 (arXiv 2507.20534, Algorithm 1).
 
   Muon only, for a tree of matrices: unlike ``optax.contrib.muon`` (Muon on matrices and
@@ -51,7 +52,7 @@ def muon(
   argument works under ``optax.inject_hyperparams`` and ``learning_rate`` may be a schedule.
 
   Args:
-    learning_rate: a scalar or an optax schedule.
+    learning_rate: a number >= 0 or an optax schedule (see "Inputs" below).
     weight_decay: decoupled weight decay (Moonlight/Kimi: 0.1), a number >= 0 or a schedule.
     weight_decay_mask: optional mask or callable, as in ``optax.add_decayed_weights``.
     beta, nesterov, ns_steps, ns_coeffs, ns_method, ns_normalize, ns_restarts, ns_batch,
@@ -59,8 +60,23 @@ def muon(
       shard_orthogonalization, shard_split: the options of ``scale_by_muon``, with its
       defaults.
 
+  Inputs (the library's input contract, ``docs/training.md``):
+
+  * A negative, NaN or non-numeric constant ``learning_rate`` or ``weight_decay`` is refused
+    here (ValueError / TypeError); a boolean option (``nesterov``) must be a ``bool``.
+  * A schedule is evaluated inside the update, under ``jit``, where nothing can raise: its
+    value is applied as given, as ``optax.scale_by_learning_rate`` and
+    ``optax.add_decayed_weights`` apply it, so a schedule that returns a negative learning
+    rate ascends the loss at those steps. Clamping it to 0 would hide the bug instead of
+    showing it; check a schedule over your step range before training, and log it
+    (``optax.inject_hyperparams`` puts it in the state, and ``make_train_step`` reports it
+    as ``learning_rate``).
+  * Non-float leaves (integers, booleans; their gradients may be ``float0``, from
+    ``jax.grad(..., allow_int=True)``) and zero-size leaves get a zero update, and no
+    state: weight decay never moves them (``_frozen_leaves``).
+
   Returns:
-    An ``optax.GradientTransformation``.
+    An ``optax.GradientTransformationExtraArgs``.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, muonclip_jax as mc
@@ -72,9 +88,9 @@ def muon(
     >>> optax.apply_updates(params, updates)["w"].shape
     (4, 8)
   """
-  check_number("learning_rate", learning_rate, schedule=True)
+  check_number("learning_rate", learning_rate, low=0.0, schedule=True)
   check_number("weight_decay", weight_decay, low=0.0, schedule=True)
-  return optax.chain(
+  return skip_frozen_leaves(optax.chain(
       scale_by_muon(beta, nesterov=nesterov, ns_steps=ns_steps, ns_coeffs=ns_coeffs, ns_method=ns_method,
                     ns_normalize=ns_normalize, ns_restarts=ns_restarts, ns_batch=ns_batch, eps=eps,
                     compute_dtype=compute_dtype, mu_dtype=mu_dtype, rms_match=rms_match, rms_scale=rms_scale,
@@ -82,7 +98,7 @@ def muon(
                     shard_split=shard_split),
       optax.add_decayed_weights(weight_decay, weight_decay_mask),
       optax.scale_by_learning_rate(learning_rate),
-  )
+  ))
 
 
 def muon_adamw(
@@ -125,10 +141,13 @@ def muon_adamw(
   bare arrays at ``update``) routes every leaf alike in both. With Moonlight's RMS matching both halves share one learning rate.
 
   Args:
-    learning_rate: Muon's learning rate, a scalar or schedule.
+    learning_rate: Muon's learning rate, a number >= 0 or a schedule (applied as given
+      inside the update: see ``muon``).
     weight_decay: Muon's decoupled weight decay (0.1).
-    labels: the routing (see above).
-    adam_learning_rate: AdamW's learning rate; defaults to ``learning_rate``.
+    labels: the routing (see above). Non-float and zero-size leaves get a zero update
+      whatever their label (see ``muon``), and neither half keeps state for them.
+    adam_learning_rate: AdamW's learning rate, a number >= 0 or a schedule; defaults to
+      ``learning_rate``.
     adam_b1, adam_b2, adam_eps: AdamW moments (Moonlight: 0.9, 0.95, 1e-8).
     adam_weight_decay: AdamW's decoupled weight decay; defaults to ``weight_decay``.
     weight_decay_mask: which leaves are decayed, in both halves (below).
@@ -141,7 +160,8 @@ def muon_adamw(
   decayed) applies to both halves. A pytree mask has the structure of the whole params:
   each half reads the mask's entries at its own leaves. A callable is called once per half
   with that half's sub-tree of the params, the ``optax.partition`` view in which the
-  other half's leaves are ``optax.MaskedNode()`` (empty nodes without leaves), and must
+  other half's leaves (and every non-float or zero-size leaf) are ``optax.MaskedNode()``
+  (empty nodes without leaves), and must
   return a mask of that sub-tree's structure: ``jax.tree.map`` or
   ``jax.tree_util.tree_map_with_path`` over its argument does, e.g.
   ``lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)`` to decay no bias or norm scale.
@@ -184,7 +204,7 @@ def muon_adamw(
   adam_wd = weight_decay if adam_weight_decay is None else adam_weight_decay
   check_number("adam_weight_decay", adam_wd, low=0.0, schedule=True)
   if adam_learning_rate is not None:
-    check_number("adam_learning_rate", adam_learning_rate, schedule=True)
+    check_number("adam_learning_rate", adam_learning_rate, low=0.0, schedule=True)
   check_number("adam_b1", adam_b1, low=0.0, high=1.0)
   check_number("adam_b2", adam_b2, low=0.0, high=1.0)
   check_number("adam_eps", adam_eps, low=0.0)
@@ -202,7 +222,7 @@ def muon_adamw(
   }
   if labels is None or callable(labels):  # read once from boxed params (nnx.Optimizer's init), reused at update
     labels = remembering_labels(muon_labels if labels is None else labels)
-  tx = optax.partition(transforms, labels)
+  tx = skip_frozen_leaves(optax.partition(transforms, labels))
 
   def init_fn(params):
     _check_adam_eps_dtype(params, labels, adam_eps)

@@ -46,3 +46,22 @@ def check_positive_int(name: str, value: object, *, allow_zero: bool = False) ->
   if not ok or value < 0 or (value == 0 and not allow_zero):
     bound = ">= 0" if allow_zero else ">= 1"
     raise ValueError(f"{name} must be an int {bound}, got {value!r}")
+
+
+def check_bool(name: str, value: Any, *, allow_none: bool = False) -> None:
+  """A boolean option: a Python ``bool`` or a NumPy ``bool_`` (``None`` too with ``allow_none``).
+
+  Anything else is a TypeError naming the option and the value: a string (``"False"`` is
+  truthy, so ``if value`` would read it as True), a number (``0``/``1``), ``None`` where it
+  is not a setting, an array. Boolean options are structure (they choose code paths, as
+  ``nesterov`` or ``is_causal``), fixed when the transform or module is built: a traced
+  value (``optax.inject_hyperparams`` injects a boolean only if it is passed as an array)
+  is refused too.
+  """
+  if isinstance(value, (bool, np.bool_)) or (allow_none and value is None):
+    return
+  what = "a bool (True or False)" + (" or None" if allow_none else "")
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(f"{name} must be {what}, fixed when it is built; got a traced value {value!r} "
+                    "(under optax.inject_hyperparams pass a Python bool, which stays static)")
+  raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")

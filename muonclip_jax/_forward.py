@@ -7,7 +7,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from ._max_logits import collect_max_logits
 
@@ -35,15 +34,17 @@ def capturing_forward(loss_fn: LossFn, compute_dtype: Any = None) -> Callable[..
   returns ``(loss, intermediates)`` or ``(loss, (intermediates, aux))``; ``intermediates``
   holds the attention modules' ``max_logits`` leaves. ``forward`` returns the loss in
   float32 and the maxima flattened to ``{module path: (*stack, H)}``
-  (``collect_max_logits``). With ``compute_dtype`` the pass runs on a copy of the params
-  cast to it (float32 master params, bfloat16 compute), so gradients still have the
-  params' dtypes.
+  (``collect_max_logits``; ``{}`` when there is none: the train step decides whether it
+  needs them). With ``compute_dtype`` the pass runs on a copy of the params whose
+  floating-point leaves are cast to it (float32 master params, bfloat16 compute; integer
+  and boolean leaves stay as they are), so gradients still have the params' dtypes.
   """
 
   def forward(params: Any, batch: Any, rng: Any = None) -> tuple[jax.Array, tuple]:
-    compute = params if compute_dtype is None else optax.tree.cast(params, compute_dtype)
+    compute = params if compute_dtype is None else jax.tree.map(
+        lambda x: x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
     out = loss_fn(compute, batch) if rng is None else loss_fn(compute, batch, rng)
     loss, intermediates, aux = split_loss_output(out)
-    return loss.astype(jnp.float32), (collect_max_logits(intermediates), aux)
+    return loss.astype(jnp.float32), (collect_max_logits(intermediates, required=False), aux)
 
   return forward

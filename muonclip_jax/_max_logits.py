@@ -20,6 +20,15 @@ from ._paths import join, key_name, keystr
 MAX_LOGITS = "max_logits"
 INTERMEDIATES = "intermediates"
 
+# How to get the maxima, for Linen and for NNX (appended to the errors that find none).
+CAPTURE_HINT = (
+    "Linen: pass the 'intermediates' collection of `y, state = model.apply(variables, x, "
+    "mutable=['intermediates'])`; NNX: pass the intermediates of `y, intermediates = "
+    "nnx.capture(model, nnx.Intermediate)(x)`. Every attention must sow them: the modules of "
+    "muonclip_jax.nn do; Flax's attention needs attention_fn=muonclip_jax.nn.dot_product_attention, "
+    "and nnx.MultiHeadAttention sows only when called with sow_weights=True (`model(x, sow_weights=True)`)"
+)
+
 
 def _reject_apply_output(max_logits: Any, caller: str) -> None:
   """A tuple at the top is the ``(output, state)`` pair of ``apply``/``nnx.capture``: say so."""
@@ -40,17 +49,21 @@ def _reject_apply_output(max_logits: Any, caller: str) -> None:
   )
 
 
-def collect_max_logits(max_logits: Any, caller: str = "qk_clip") -> dict[str, jax.Array]:
+def collect_max_logits(max_logits: Any, caller: str = "qk_clip", *, required: bool = True) -> dict[str, jax.Array]:
   """``{module path: float32 maxima (*stack, H)}`` of an ``intermediates``-like tree.
 
   Accepts the bare ``intermediates`` collection or ``{"intermediates": ...}`` (the mutable
   state of ``apply``), leaves wrapped in a tuple (Flax's default ``sow``; several entries are
   merged by maximum) and NNX ``Intermediate`` boxes (trailing ``value`` key).
 
+  With ``required=False`` a tree without any ``max_logits`` leaf (``None``, ``{}``) gives
+  ``{}`` (a train step whose optimizer does not clip).
+
   Raises:
     TypeError: a tuple or list at the top (the ``(y, state)`` pair of ``apply``).
-    ValueError: no ``max_logits`` leaf; a leaf under another ``intermediates`` key; leaves of
-      one module with different shapes, or of rank 0.
+    ValueError: no ``max_logits`` leaf (when ``required``; the message gives Linen's and
+      NNX's ways to capture them); a leaf under another ``intermediates`` key; leaves of one
+      module with different shapes, or of rank 0.
   """
   _reject_apply_output(max_logits, caller)
   if isinstance(max_logits, Mapping) and INTERMEDIATES in max_logits:
@@ -74,10 +87,10 @@ def collect_max_logits(max_logits: Any, caller: str = "qk_clip") -> dict[str, ja
       )
     found.setdefault(keystr(path[:i]), []).append(jnp.asarray(leaf))
   if not found:
-    raise ValueError(
-        f"{caller}: no leaf named 'max_logits' in max_logits; pass the 'intermediates' "
-        "collection of model.apply(..., mutable=['intermediates'])"
-    )
+    if not required:
+      return {}
+    raise ValueError(f"{caller}: no leaf named 'max_logits' in max_logits: no attention reported its maxima. "
+                     + CAPTURE_HINT)
   result = {}
   for module, arrays in found.items():
     shapes = {a.shape for a in arrays}

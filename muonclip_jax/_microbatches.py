@@ -60,9 +60,16 @@ def loss_grads_maxima(forward: Callable, params: Any, batch: Any, rng: Any, k: i
   ``forward(params, batch, rng) -> (loss, (maxima, aux))`` (``capturing_forward``). With
   ``k == 1`` one pass; with ``k > 1`` a ``lax.scan`` over the microbatches (``rng`` split
   into one key each): the loss, the gradients and ``aux`` are averaged (``aux`` in at
-  least float32), the maxima ``{module: (*stack, H)}`` combined by maximum.
+  least float32), the maxima ``{module: (*stack, H)}`` combined by maximum. The gradient
+  of an integer or boolean leaf (a step counter kept in the params) is a zero of its dtype
+  (``jax.grad``'s ``float0``, made addable), which the library's optimizers leave alone.
   """
-  grad_fn = jax.value_and_grad(forward, has_aux=True)
+  value_and_grad = jax.value_and_grad(forward, has_aux=True, allow_int=True)
+
+  def grad_fn(params, *args):
+    out, grads = value_and_grad(params, *args)
+    return out, jax.tree.map(lambda g, p: jnp.zeros_like(p) if g.dtype == jax.dtypes.float0 else g, grads, params)
+
   if k == 1:
     (loss, (maxima, aux)), grads = grad_fn(params, batch, rng)
     return loss, grads, maxima, aux

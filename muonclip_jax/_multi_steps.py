@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ._checks import check_bool
+from ._frozen_leaves import skip_frozen_leaves
 from ._accumulation import MultiStepsMaxLogitsState, merge_max_logits
 from ._max_logits import collect_max_logits, nest_max_logits
 from ._qk_clip import init_max_logits
@@ -42,7 +44,10 @@ def multi_steps(
     layout: the attention layout (as for ``muonclip``); it sizes the running maximum.
       Maxima written below the attention module as ``(..., batch, heads)`` (MaxText) are
       passed as ``max_logits=muonclip_jax.reduce_max_logits(intermediates)``.
-    use_grad_mean, should_skip_update_fn: as for ``optax.MultiSteps``.
+    use_grad_mean, should_skip_update_fn: as for ``optax.MultiSteps`` (``use_grad_mean`` a
+      ``bool``: anything else is a TypeError).
+
+  Non-float and zero-size leaves get a zero update, and no accumulator (see ``muon``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -62,6 +67,7 @@ def multi_steps(
     >>> params["attn"]["wq"]["kernel"][0]  # clipped once, with the maximum over both
     Array([0.5, 0.5, 0.5, 0.5, 1. , 1. , 1. , 1. ], dtype=float32)
   """
+  check_bool("multi_steps: use_grad_mean", use_grad_mean)
   inner = optax.MultiSteps(opt, every_k_schedule, use_grad_mean=use_grad_mean,
                            should_skip_update_fn=should_skip_update_fn)
 
@@ -84,4 +90,4 @@ def multi_steps(
     reset = {m: jnp.where(done, -jnp.inf, v) for m, v in running.items()}
     return updates, MultiStepsMaxLogitsState(inner_state, nest_max_logits(reset))
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return skip_frozen_leaves(optax.GradientTransformationExtraArgs(init_fn, update_fn))

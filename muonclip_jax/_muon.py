@@ -25,7 +25,8 @@ import optax
 
 from . import _newton_schulz
 from ._boxes import MetadataMemo
-from ._checks import check_number
+from ._frozen_leaves import skip_frozen_leaves
+from ._checks import check_bool, check_number
 from ._matrix_axes import MatrixAxesSpec, from_matrices, to_matrices
 from ._paths import path_str
 from ._routing import matrix_axes_lookup, matrix_dims
@@ -178,7 +179,8 @@ def scale_by_muon(
 
   Args:
     beta: momentum ``mu`` (Moonlight/Kimi: 0.95). May be traced (``inject_hyperparams``).
-    nesterov: use ``G_t + mu M_t`` instead of ``M_t``.
+    nesterov: use ``G_t + mu M_t`` instead of ``M_t``: a ``bool`` (static; anything else
+      is a TypeError).
     ns_steps: Newton–Schulz iterations; ``None`` (default) for the number ``ns_coeffs``
       was designed for (4 for ``"polar_express_4"``, 5 for ``"muon"``/``"polar_express"``).
     ns_coeffs: ``"polar_express_4"`` (default), ``"muon"``, ``"polar_express"`` or an array
@@ -230,8 +232,11 @@ def scale_by_muon(
       lowers the most loaded device's FLOPs, whatever the traffic; ``"never"``: every
       matrix whole. Not with a traced ``ns_steps`` or with ``ns_restarts`` (then whole).
 
+  Non-float leaves (integers, booleans, with integer or ``float0`` gradients) and zero-size
+  leaves get a zero update and no momentum (``_frozen_leaves``).
+
   Returns:
-    An ``optax.GradientTransformation`` whose state holds only the momentum.
+    An ``optax.GradientTransformationExtraArgs`` whose state holds only the momentum.
 
   Example:
     >>> import jax, jax.numpy as jnp, muonclip_jax as mc
@@ -257,6 +262,7 @@ def scale_by_muon(
                                or ns_batch < 1):
     raise ValueError(f"ns_batch must be None or an int >= 1, got {ns_batch!r}")
   batch = 1 if ns_batch is None else int(ns_batch)  # orthogonalize_leaves takes the number itself
+  check_bool("nesterov", nesterov)
   check_number("beta", beta, low=0.0, high=1.0, high_open=True)
   check_number("rms_scale", rms_scale, low=0.0)
   check_number("eps", eps, low=0.0)
@@ -304,4 +310,4 @@ def scale_by_muon(
                                paths=[path_str(p) for p, _ in flat], **ns_kwargs)
     return jax.tree_util.tree_unflatten(treedef, new), ScaleByMuonState(mu=mu)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return skip_frozen_leaves(optax.GradientTransformation(init_fn, update_fn))

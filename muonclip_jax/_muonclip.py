@@ -20,15 +20,16 @@ import optax
 from ._alias import muon_adamw
 from ._checks import check_number
 from ._layouts import check_layout
+from ._max_logits import CAPTURE_HINT
 from ._matrix_axes import MatrixAxesSpec
 from ._qk_clip import qk_clip, qk_clip_stats, threshold_or_nan
 from ._boxes import names_by_path
+from ._frozen_leaves import skip_frozen_leaves
 
 _MISSING_MAX_LOGITS = (
     "{name}: max_logits is missing, but the clip threshold is {tau!r}; pass "
-    "opt.update(grads, state, params, max_logits=intermediates) with the 'intermediates' "
-    "collection of model.apply(..., mutable=['intermediates']), or set the threshold to None "
-    "to turn the clip off"
+    "opt.update(grads, state, params, max_logits=intermediates), or set the threshold to None "
+    "to turn the clip off. " + CAPTURE_HINT
 )
 
 
@@ -84,7 +85,8 @@ def qk_clip_transform(qk_clip_threshold: Any, *, layout: Any) -> optax.GradientT
   Only the query/key leaves that ``qk_clip`` changes get ``u' = clipped - params``; every
   other leaf, and every element of a head that is not clipped, keeps its update bit for bit.
   The state (``QKClipState``) records the tau, the number of clipped heads and the
-  smallest gamma of the last update.
+  smallest gamma of the last update. Non-float and zero-size leaves get a zero update
+  (see ``muon``); a head whose max logit is +inf is left unclipped (see ``qk_clip``).
 
   It must be the last transform: ``params + u'`` is the clipped weights only if nothing
   changes ``u'`` afterwards. ``optax.chain(qk_clip_transform(...), optax.scale(0.5))``
@@ -173,7 +175,7 @@ def qk_clip_transform(qk_clip_threshold: Any, *, layout: Any) -> optax.GradientT
     min_gamma = jnp.min(jnp.stack([jnp.min(s["min_gamma"]) for s in stats]))
     return new_updates, _state(count, tau, num_clipped, min_gamma)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return skip_frozen_leaves(optax.GradientTransformationExtraArgs(init_fn, update_fn))
 
 
 def muonclip(

@@ -196,8 +196,9 @@ def newton_schulz(
       divided by ``s ||x|| + eps``, so a matrix whose Frobenius norm is not well above
       ``eps`` (entries of 1e-30, say) is divided by about ``eps`` instead of its norm and
       comes out near zero, not near orthogonal. Large inputs have no such limit: the norm is
-      taken of ``x / max |x|``, so entries up to float32's largest give the output of the
-      input scaled down (orthogonalization is scale-invariant), without overflow.
+      taken of ``x / max |x|`` (``divide_by_max``), so every finite input, entries up to
+      float32's largest included, gives the output of the input scaled down
+      (orthogonalization is scale-invariant), without overflow or NaN.
     compute_dtype: dtype of the iteration (e.g. ``jnp.bfloat16`` on accelerators);
       defaults to ``x.dtype``. Norms are always taken in float32. With ``"gram"`` only the
       ``m x n`` products run in ``compute_dtype`` (accumulating in float32); the ``m x m``
@@ -218,7 +219,8 @@ def newton_schulz(
       condition number 1e6) nor in bfloat16 (see ``compute_dtype``).
 
   Returns:
-    An array of the shape and dtype of ``x``. Its singular values are ``p(s)`` of the
+    An array of the shape and dtype of ``x`` (empty for a zero-size ``x``, such as a
+    ``(0, n)`` matrix or an empty batch). Its singular values are ``p(s)`` of the
     normalized input's, ``p`` the composition of the steps' polynomials, and its singular
     vectors are ``x``'s. With each preset's own step count, input singular values down to
     3e-3 of the norm land in a band around 1 (smaller ones need more steps to grow): roughly
@@ -257,17 +259,17 @@ def newton_schulz(
   dtype = jnp.dtype(compute_dtype) if compute_dtype is not None else x.dtype
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"compute_dtype must be a floating dtype, got {dtype}")
+  if x.size == 0:  # a (0, n) or (m, 0) matrix, or an empty batch: nothing to orthogonalize
+    return jnp.zeros(x.shape, x.dtype)
   tall = x.shape[-2] > x.shape[-1]  # then A = X^T X and X <- a X + X B^T, no transposes
   m, n = min(x.shape[-2:]), max(x.shape[-2:])
   gram = method == "gram" or (method == "auto" and n >= GRAM_ASPECT * m)
-  # x / (s ||x||_F + eps), computed as y / (s ||y||_F + eps / a) with y = x / a, a = max |x|:
-  # the squares of entries above ~1.8e19 overflow float32, those of y never do (|y| <= 1).
   xf = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True)
   amax = jnp.where(amax > 0, amax, 1.0)
-  y = xf / amax
+  y = divide_by_max(xf, amax)  # |y| <= 4: no square overflows
   norm = jnp.sqrt(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True))
-  floor = eps / amax
+  floor = eps / amax  # 0 (flushed) for an amax above ~1e31, where norm >= 1 anyway
   if normalize == "frobenius":
     X = (y / (norm * norm_scale + floor)).astype(dtype)
   else:  # divided by the Frobenius norm first (keeps bf16 in range); the S4 scale comes later
@@ -277,6 +279,21 @@ def newton_schulz(
   else:
     X = _iterate(X, table, steps, normalize == "schatten4", norm_scale, eps, tall)
   return X.astype(x.dtype)
+
+
+def divide_by_max(xf: jax.Array, amax: jax.Array) -> jax.Array:
+  """``xf / amax`` (times a factor in (1, 4] for ``amax > 2^126``), for a float32 ``xf`` and
+  its largest magnitude ``amax > 0`` (keepdims): entries of magnitude at most 4.
+
+  ``newton_schulz`` normalizes this, not ``x``: the squares of entries above ~1.8e19
+  overflow float32, those of this never do. XLA compiles a division by a broadcast scalar
+  as a product with its reciprocal, and for ``amax > 2^126`` (8.5e37) ``1 / amax`` is
+  subnormal, which XLA:CPU flushes to zero (0 / 0 = NaN further on). So the divisor is
+  capped at 2^126, whose reciprocal is float32's smallest normal number: above the cap the
+  result is ``xf / amax`` times ``amax / 2^126``, a scale the norm divides out next; below
+  it, the quotient it always was.
+  """
+  return xf / jnp.minimum(amax, 2.0**126)
 
 
 def ns_flops(shape: tuple[int, ...], *, steps: int | None = 5, coeffs: Any = "muon",

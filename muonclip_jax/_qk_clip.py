@@ -130,6 +130,8 @@ def _gamma(s: jax.Array, tau: jax.Array) -> tuple[jax.Array, jax.Array]:
 
   The guards make gamma lie in (0, 1] for any S (NaN, +-inf, <= 0) and any traced tau (NaN,
   inf, <= 0 clip nothing), so nothing is ever multiplied by a non-finite or negative number.
+  An S of +inf is above tau but not clipped: its factor tau / S would be 0, which zeroes the
+  head's query/key weights (a reset, not a clip); see ``qk_clip``'s "Non-finite maxima".
   """
   clipped = jnp.isfinite(s) & (s > tau) & (tau > 0)
   gamma = jnp.where(clipped, tau / jnp.where(clipped, s, 1.0), 1.0)
@@ -224,6 +226,15 @@ def qk_clip(params: Any, max_logits: Any, *, qk_clip_threshold: Any, layout: Any
   of a usual QK-norm name (Flax's ``query_ln``/``key_ln``, ``q_norm``/``k_norm``, ...) is a
   ValueError, since scaling the kernels would have no effect.
 
+  Non-finite maxima: a head whose S_max^h is not finite is left as it is, and reported.
+  +inf (the forward pass overflowed; the loss is then usually not finite either) is above
+  any tau, but no finite gamma_h brings it to tau: the limit tau / inf = 0 would zero the
+  head's query/key weights, a reset rather than a clip, so the head is skipped and
+  ``qk_clip_stats`` counts it in ``num_above_threshold`` and ``num_nonfinite``, not in
+  ``num_clipped``. NaN is not above tau (skipped, counted in ``num_nonfinite``); -inf is
+  the maximum over no logit at all (every pair of the head masked, or a running maximum
+  that saw nothing) and is below any tau (counted in ``num_nonfinite`` only).
+
   Pure and jit-friendly: shape checks only at trace time, no host sync, no branching on
   values. Each scaled leaf is multiplied elementwise by a factor built from the small maxima
   (in float32 or wider, cast back), so dtypes and shardings are kept and a head-sharded
@@ -261,7 +272,8 @@ def qk_clip(params: Any, max_logits: Any, *, qk_clip_threshold: Any, layout: Any
     ``params`` with the same structure, box types, dtypes and shardings.
 
   Raises:
-    ValueError: a concrete ``qk_clip_threshold`` that is NaN or <= 0; no ``max_logits`` leaf; a module
+    ValueError: a concrete ``qk_clip_threshold`` that is NaN or <= 0; no ``max_logits`` leaf
+      (the message gives Linen's and NNX's ways to capture them); a module
       without the projections its layout names (or with both ``wq`` and ``wq_b`` for MLA);
       a kernel that fits no form, or two; head counts or widths that disagree with the
       kernels or the maxima; leading stack shapes that differ; an MLA ``wkv_a`` whose rotary
@@ -376,10 +388,14 @@ def qk_clip_stats(max_logits: Any, *, qk_clip_threshold: Any) -> dict[str, dict[
   Returns:
     ``{module path: stats}`` with, for maxima of shape ``(*stack, H)``, arrays of shape
     ``stack`` (``()`` for one layer, ``(L,)`` for ``nn.scan``-stacked layers):
-    ``num_clipped`` (int32, heads with finite S_max > tau), ``min_gamma`` (float32,
-    min_h gamma_h; 1.0 when nothing is clipped), ``max_logit`` (float32, max_h S_max^h; NaN
-    if any head is NaN), ``num_heads`` (int32, H) and ``num_nonfinite`` (int32, heads whose
-    S_max is NaN or +-inf; they are never clipped).
+    ``num_clipped`` (int32, heads ``qk_clip`` scales: finite S_max > tau),
+    ``num_above_threshold`` (int32, heads with S_max > tau, +inf included: it is above any
+    tau, but ``qk_clip`` skips it, see its "Non-finite maxima"; 0 when the clip is off),
+    ``min_gamma`` (float32, min_h gamma_h; 1.0 when nothing is clipped), ``max_logit``
+    (float32, max_h S_max^h; NaN if any head is NaN, +inf if one is +inf), ``num_heads``
+    (int32, H) and ``num_nonfinite`` (int32, heads whose S_max is NaN, +inf or -inf; they are
+    never clipped). ``num_above_threshold > num_clipped`` says that a head above tau had an
+    infinite maximum and was left as it was.
 
   Example:
     >>> import jax.numpy as jnp, muonclip_jax as mc
@@ -389,16 +405,22 @@ def qk_clip_stats(max_logits: Any, *, qk_clip_threshold: Any) -> dict[str, dict[
     ['layers/attn']
     >>> stats["layers/attn"]["num_clipped"], stats["layers/attn"]["min_gamma"]  # per layer
     (Array([1, 1], dtype=int32), Array([0.25, 0.5 ], dtype=float32))
+    >>> inf = mc.qk_clip_stats({"attn": {"max_logits": jnp.array([jnp.inf, 400.0])}}, qk_clip_threshold=100.0)
+    >>> [int(inf["attn"][k]) for k in ("num_above_threshold", "num_clipped", "num_nonfinite")]  # +inf: skipped
+    [2, 1, 1]
   """
   tau = _resolve_threshold(qk_clip_threshold)
   stats = {}
   for module, s in collect_max_logits(max_logits, "qk_clip_stats").items():
     if tau is None:
       clipped, gamma = jnp.zeros(s.shape, bool), jnp.ones(s.shape, jnp.float32)
+      above = clipped
     else:
       clipped, gamma = _gamma(s, tau)
+      above = (s > tau) & (tau > 0)  # NaN is not above; +inf is (and is not clipped)
     stats[module] = {
         "num_clipped": jnp.sum(clipped, axis=-1, dtype=jnp.int32),
+        "num_above_threshold": jnp.sum(above, axis=-1, dtype=jnp.int32),
         "min_gamma": jnp.min(gamma, axis=-1),
         "max_logit": jnp.max(s, axis=-1),
         "num_heads": jnp.full(s.shape[:-1], s.shape[-1], jnp.int32),

@@ -22,8 +22,13 @@ g and b by c scales q (or k) by c, the same per-head rule as on a kernel:
   clipping needs per-head norm scales.
 
 ``GQALayout(query_norm=..., key_norm=...)`` names the norms (sub-module paths next to the
-projections, leaf ``scale`` and optional ``bias``); ``norm_scale_offset=1.0`` is for norms
-that multiply by ``1 + scale`` (Gemma's RMSNorm): the new scale is c (1 + g) - 1. A GQA module
+projections, leaf ``scale`` and optional ``bias``). ``norm_scale_offset`` says how the norm
+applies its scale: 0.0 (default) for ``x * scale`` (Flax's ``LayerNorm``/``RMSNorm``, Qwen3,
+OLMo 2, and Gemma 4, whose QK-norm scale starts at 1), 1.0 for ``x * (1 + scale)`` (Gemma 2
+and Gemma 3's RMSNorm, whose scale starts at 0): the new scale is then c (1 + g) - 1. The
+wrong offset mis-scales the head: ``1.0`` on Gemma 4's ``x * scale`` with g = 1 and
+``clip_mode="query"`` turns gamma = 0.75 into the scale 2 * 0.75 - 1 = 0.5, so a head at 8
+with tau 6 ends at 4 instead of 6. A GQA module
 with a norm of a known QK-norm name (``NORM_NAMES``) that its layout does not declare is a
 ValueError naming the norm: never a clip with no effect.
 """
@@ -56,7 +61,8 @@ def check_undeclared(module: str, lay: GQALayout, shapes: Mapping[str, tuple], c
         f"or key after the projection, e.g. Flax's normalize_qk=True): it undoes any scaling of the "
         f"query/key kernels, so the clip would have no effect. Declare the norms so that the clip acts "
         f"on their scales: GQALayout(..., query_norm={q!r}, key_norm={k!r}) (add norm_scale_offset=1.0 "
-        "for norms computing x * (1 + scale), as Gemma's RMSNorm)"
+        "for norms computing x * (1 + scale), as Gemma 2 and 3's RMSNorm; Gemma 4's QK-norm computes "
+        "x * scale: leave it at 0)"
     )
 
 

@@ -14,8 +14,10 @@ matrix (``m <= n``), and ends with the same slab of the result. Both iterations 
   about half of their row blocks (``_sym_full``: computed, all-gathered, mirrored). About
   ``6 m^3 / g`` FLOPs a step; ``Q`` is all-gathered once for the final ``Q X_j``.
 
-The Frobenius norm is ``sqrt(trace(X X^T))`` of the first Gram matrix (no extra
-collective); the Schatten-4 norm follows from it as in ``newton_schulz``. Restarts and a
+The input is first divided by its largest magnitude (one all-reduce of a scalar per
+matrix, ``pmax``), as ``newton_schulz`` does, so that squares of entries up to float32's
+largest do not overflow. The Frobenius norm is then ``sqrt(trace(X X^T))`` of the first
+Gram matrix; the Schatten-4 norm follows from it as in ``newton_schulz``. Restarts and a
 traced step count are not supported: such matrices stay whole (``resolve`` returns None).
 Megatron's ``--muon-tp-mode distributed`` likewise all-reduces ``X X^T`` over
 tensor-parallel ranks.
@@ -69,14 +71,15 @@ def cost(it: dict, m: int, n: int, g: int, itemsize: int) -> tuple[float, list[t
   sym = 0.75 if m >= nsm.SYMMETRIC_MIN and m % 2 == 0 else 1.0
   half = 2 * h * r * r * m  # a symmetric m x m product from row blocks (``_sym_full``)
   half_bytes = g * h * r * r
+  amax = [("all-reduce", 4, g)]  # the largest magnitude (pmax), one float32 per matrix
   if not it["gram"]:
     flops = K * (sym * 2 * m * m * w + half + 2 * m * m * w + 4 * m * m)
-    return flops, [("all-reduce", m * m * 4, g), ("all-gather", half_bytes * 4, g)] * K
+    return flops, amax + [("all-reduce", m * m * 4, g), ("all-gather", half_bytes * 4, g)] * K
   f = sym * 2 * m * m * w + 2 * m * m * w
   f += K * (half + 4 * m * m) + (K - 1) * 2 * r * m * m + (K - 1) * (2 * r * m * m + half)
   wb = 4  # the m x m iteration runs in float32 (or wider)
   colls = [("all-reduce", m * m * wb, g)] + [("all-gather", half_bytes * wb, g)] * (2 * K - 1)
-  return f, colls + [("all-gather", m * m * wb, g)]
+  return f, amax + colls + [("all-gather", m * m * wb, g)]
 
 
 def _rows(x: jax.Array, p: jax.Array, r: int) -> jax.Array:
@@ -116,12 +119,17 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
   m = x.shape[-2]
   r = m // g
   p = jax.lax.axis_index(axes)
-  X = x.astype(dtype)
+  xf = x.astype(jnp.float32)
+  amax = jax.lax.pmax(jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True), axes)
+  amax = jnp.where(amax > 0, amax, 1.0)
+  y = nsm.divide_by_max(xf, amax)  # |y| <= 4: no square overflows (see newton_schulz)
+  floor = eps / amax
+  X = y.astype(dtype)
   gram_f = lambda X, t=None: jax.lax.psum(nsm.gram_of(X, False, t), axes)
-  A = gram_f(X, jnp.float32)  # X X^T of the input, float32: its trace is ||x||_F^2
+  A = gram_f(X, jnp.float32)  # X X^T of x / max |x|, float32: its trace is the squared norm
   fro = jnp.sqrt(jnp.trace(A, axis1=-2, axis2=-1))[..., None, None]
-  denom = fro * (1.0 if it["schatten4"] else it["norm_scale"]) + eps
-  X = (x.astype(jnp.float32) / denom).astype(dtype)
+  denom = fro * (1.0 if it["schatten4"] else it["norm_scale"]) + floor
+  X = (y / denom).astype(dtype)
   A = A / (denom * denom)
   if it["schatten4"]:
     s = nsm.schatten4_scale(A, it["norm_scale"], eps)

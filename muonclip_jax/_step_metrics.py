@@ -48,10 +48,13 @@ def step_threshold(given: Any, before: OptStateView, after: OptStateView,
 def clip_metrics(maxima: dict[str, jax.Array], qk_clip_threshold: Any) -> dict[str, Any]:
   """Logging metrics of one step's maxima ``{module: (*stack, H)}`` (all arrays, jit-safe).
 
-  ``max_logits`` (the maxima themselves, per head), ``max_logit`` (largest over all heads),
-  ``max_logit_per_layer`` (``{module: (*stack,)}``) and ``num_above_threshold`` (heads
-  with S_max > tau: the heads a clip with these maxima would scale, whether or not one
-  did; 0 when tau is None). What was clipped is ``applied_clip_metrics``.
+  ``max_logits`` (the maxima themselves, per head), ``max_logit`` (largest over all heads;
+  NaN when a head's is NaN, +inf when one is +inf), ``max_logit_per_layer`` (``{module:
+  (*stack,)}``) and ``num_above_threshold`` (heads with S_max > tau, whether or not a clip
+  scaled them: +inf counts, being above any tau, though ``qk_clip`` leaves such a head as
+  it is, see its "Non-finite maxima"; NaN does not; 0 when tau is None). What was clipped
+  is ``applied_clip_metrics``: ``num_above_threshold`` above ``num_clipped`` after a step
+  of a clipping optimizer shows a head the clip could not scale.
 
   Example:
     >>> import jax.numpy as jnp
@@ -68,7 +71,7 @@ def clip_metrics(maxima: dict[str, jax.Array], qk_clip_threshold: Any) -> dict[s
       "max_logits": dict(maxima),
       "max_logit": jnp.max(jnp.stack([jnp.max(s["max_logit"]) for s in stats.values()])),
       "max_logit_per_layer": {m: s["max_logit"] for m, s in stats.items()},
-      "num_above_threshold": sum(jnp.sum(s["num_clipped"]) for s in stats.values()),
+      "num_above_threshold": sum(jnp.sum(s["num_above_threshold"]) for s in stats.values()),
   }
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ._checks import check_bool
 from ._distributed_ns import mesh_of
 from ._distributed_ns import orthogonalize_sharded as orthogonalize_sharded
 from ._ns_planner import entry_axes
@@ -300,7 +301,8 @@ def jit_train_step(step: Callable, param_shardings: Any, state_shardings: Any, b
     state_shardings: ``state_shardings(...)`` (or ``jax.tree.map(lambda x: x.sharding,
       init_state(...))``).
     batch_shardings: ``batch_shardings(batch, mesh)``.
-    donate: donate params and state (their buffers are reused for the outputs).
+    donate: donate params and state (their buffers are reused for the outputs); a ``bool``
+      (anything else is a TypeError).
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, muonclip_jax as mc
@@ -329,6 +331,7 @@ def jit_train_step(step: Callable, param_shardings: Any, state_shardings: Any, b
     >>> metrics["max_logits"]["attn"], int(metrics["num_clipped"]), float(metrics["min_gamma"])  # gamma 10 / 128
     (Array([128., 128.], dtype=float32), 2, 0.078125)
   """
+  check_bool("jit_train_step: donate", donate)
   mesh = mesh_of(param_shardings)
   replicated = NamedSharding(mesh, P())
   # jit applies in_shardings to positional arguments only: rng is passed positionally

@@ -20,10 +20,10 @@ from typing import Any
 import jax
 import optax
 
-from ._checks import check_number
+from ._checks import check_bool, check_number
 from ._exact_clip import exact_clip_step, exact_qk_clip, exact_rtol
 from ._forward import LossFn, capturing_forward
-from ._max_logits import nest_max_logits
+from ._max_logits import CAPTURE_HINT, nest_max_logits
 from ._microbatches import loss_grads_maxima, maxima_on
 from ._opt_state_view import OptStateView, view_opt_state
 from ._state_checks import check_opt_state
@@ -41,8 +41,24 @@ def _apply_optimizer(optimizer: optax.GradientTransformationExtraArgs, params: A
   collection); ``before``/``after`` are the ``OptStateView``s of the state around the update.
   """
   before = view_opt_state(opt_state)
-  updates, opt_state = optimizer.update(grads, opt_state, params, max_logits=nest_max_logits(maxima))
+  max_logits = nest_max_logits(maxima) if maxima else None  # none captured: nothing needs them
+  updates, opt_state = optimizer.update(grads, opt_state, params, max_logits=max_logits)
   return optax.apply_updates(params, updates), opt_state, before, view_opt_state(opt_state)
+
+
+def _check_maxima_captured(maxima: dict, opt_state: Any, qk_clip_threshold: Any, exact_clip: bool) -> None:
+  """The maxima are optional unless something reads them: a clip, a tau, ``multi_steps``."""
+  if maxima:
+    return
+  view = view_opt_state(opt_state)
+  needs = [why for why, yes in (
+      ("the optimizer clips (it holds a QKClipState: muonclip, qk_clip_transform)", view.clip is not None),
+      ("the optimizer accumulates them (multi_steps)", view.running_max_logits is not None),
+      (f"qk_clip_threshold={qk_clip_threshold!r} was given", qk_clip_threshold is not None),
+      ("exact_clip=True", exact_clip)) if yes]
+  if needs:
+    raise ValueError(f"make_train_step: loss_fn's intermediates hold no max_logits, but {needs[0]}, which needs "
+                     "each attention's per-head maxima. " + CAPTURE_HINT)
 
 
 def make_train_step(
@@ -60,7 +76,12 @@ def make_train_step(
   Args:
     loss_fn: ``loss_fn(params, batch) -> (loss, intermediates)``, where ``intermediates``
       is the collection of ``model.apply({"params": params}, ..., mutable=["intermediates"])``
-      (its ``max_logits`` leaves are what QK-Clip needs). It may return
+      or of ``nnx.capture(model, nnx.Intermediate)`` (its ``max_logits`` leaves are what
+      QK-Clip needs). They are optional when nothing reads them (an optimizer that does not
+      clip, no ``qk_clip_threshold``, no ``exact_clip``, no ``multi_steps``): ``loss_fn``
+      may then return ``(loss, None)`` or ``(loss, {})``, and the max-logit and clip
+      metrics are left out. Where something reads them, their absence is a ValueError at
+      the first trace that says what needs them and how to capture them. It may return
       ``(loss, (intermediates, aux))``: ``aux`` (a pytree of arrays, e.g. accuracy) comes
       back as ``metrics["aux"]``, averaged over microbatches like the loss. When the step
       is called with ``rng``, it is called as ``loss_fn(params, batch, rng)`` (dropout).
@@ -82,7 +103,7 @@ def make_train_step(
     compute_dtype: e.g. ``jnp.bfloat16``: the forward/backward pass runs on a copy of the
       (float32 master) params cast to this dtype; gradients, the update and the clip act
       on the master params, and the next step's copy is cast from them again.
-    exact_clip: Kimi K2 clips with the maxima of the step's forward pass, which saw the
+    exact_clip: a ``bool`` (anything else is a TypeError). Kimi K2 clips with the maxima of the step's forward pass, which saw the
       weights before the update, so on the step's batch the updated weights can overshoot
       tau. With ``exact_clip=True`` the step then measures the updated params' maxima on the
       same batch (a forward pass without gradient) and clips with them, repeating until no
@@ -106,15 +127,22 @@ def make_train_step(
     micro-steps of ``multi_steps`` that do not update) and every pass of the exact clip. An
     optimizer that does not clip, without ``exact_clip``, clips nothing: 0 and 1.0. When a
     tau is known (the optimizer's, else ``qk_clip_threshold``): ``num_above_threshold``
-    (heads whose forward-pass max logit is above tau, clipped or not),
+    (heads whose forward-pass max logit is above tau, clipped or not; a +inf maximum
+    counts, though the clip leaves that head as it is: see ``qk_clip``),
     ``qk_clip_threshold`` (that tau; NaN when a schedule or an injected tau gave a NaN,
     zero or negative value, which clips nothing and cannot raise inside jit) and
     ``qk_clip_threshold_valid`` (bool, False exactly then). And when they apply:
     ``learning_rate`` (the optimizer's, when injected with ``optax.inject_hyperparams``; a
     dict by state path when several are), ``aux`` (``loss_fn``'s extra outputs) and
     ``exact_clip_passes`` (int32, the forward passes the exact clip took, 1 to the number
-    of attention layers). ``metrics_to_floats`` turns them into a flat dict of floats for
-    logging.
+    of attention layers). Without captured maxima (see ``loss_fn``) only ``loss``,
+    ``grad_norm``, ``learning_rate`` and ``aux``. ``metrics_to_floats`` turns them into a
+    flat dict of floats for logging.
+
+  Integer and boolean leaves of ``params`` (a step counter) are differentiated with
+  ``allow_int=True``: their gradient is a zero of their dtype, which the library's
+  optimizers leave alone (optax's own may not: ``optax.adamw`` decays them), and
+  ``compute_dtype`` casts only the floating-point leaves.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
@@ -136,7 +164,9 @@ def make_train_step(
      'num_above_threshold', 'num_clipped', 'qk_clip_threshold', 'qk_clip_threshold_valid']
 
   Raises:
-    ValueError: at the first trace, when the optimizer has a transform after its QK-Clip,
+    TypeError: ``exact_clip`` that is not a bool.
+    ValueError: at the first trace, when ``loss_fn`` captured no maxima and something needs
+      them (see ``loss_fn``), when the optimizer has a transform after its QK-Clip,
       wraps the clip in a plain ``optax.MultiSteps`` (use ``muonclip_jax.multi_steps``), or
       its state does not fit the params in structure or shape (e.g. restored from another
       model); see ``muonclip_jax.check_opt_state``.
@@ -145,6 +175,7 @@ def make_train_step(
     raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
   if qk_clip_threshold is not None and not callable(qk_clip_threshold):
     check_number("qk_clip_threshold", qk_clip_threshold, low=0.0, low_open=True)
+  check_bool("exact_clip", exact_clip)
   if exact_clip and layout is None:
     raise ValueError("make_train_step: exact_clip=True needs the layout")
   opt = optax.with_extra_args_support(optimizer)
@@ -156,15 +187,19 @@ def make_train_step(
     # fits the params (structure and shapes, abstractly).
     check_opt_state(opt_state, optimizer=opt, params=params, caller="make_train_step")
     loss, grads, maxima, aux = loss_grads_maxima(forward, params, batch, rng, k)
+    _check_maxima_captured(maxima, opt_state, qk_clip_threshold, exact_clip)
     params, opt_state, before, after = _apply_optimizer(opt, params, opt_state, grads, maxima)
     tau = step_threshold(qk_clip_threshold, before, after)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **clip_metrics(maxima, tau)}
-    if tau is not None:
-      metrics.update(threshold_metrics(tau))
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
     if after.learning_rate is not None:
       metrics["learning_rate"] = after.learning_rate
     if aux is not None:
       metrics["aux"] = aux
+    if not maxima:  # nothing captured, nothing clipped (_check_maxima_captured): no max-logit metrics
+      return params, opt_state, metrics
+    metrics.update(clip_metrics(maxima, tau))
+    if tau is not None:
+      metrics.update(threshold_metrics(tau))
     if not exact_clip:
       if after.clip is not None:  # exactly what the optimizer's state reports
         metrics.update(optimizer_clip_metrics(before, after, maxima))

@@ -19,6 +19,12 @@ TAU = 5.0  # the initial max logit is ~3.7
 STEPS = 8
 LOSS_FN = make_loss_fn(CFG)
 
+# Two separately compiled programs under the legacy emitters (_exactness) round a few
+# elements differently; three steps at this high learning rate amplify that through
+# Newton-Schulz and Adam (whose second moment is near zero on some lm_head entries): measured
+# 1e-5 to 6e-5, varying with the compiled programs (any change of the update's HLO moves it).
+LEGACY_ATOL = 1e-4
+
 
 @jax.jit
 def _max_logits(params, batch):
@@ -104,7 +110,7 @@ def test_unreachable_or_no_threshold_equals_muon_adamw():
   ref, _, _ = _run(MUON, steps=3)
   p, _, _ = _run(_muonclip(qk_clip_threshold=None), steps=3)  # off: the same arithmetic, the same bits
   if legacy_emitters():  # _exactness; three steps carry the forward pass's ulps through Adam too
-    chex.assert_trees_all_close(p, ref, rtol=0, atol=2e-5)
+    chex.assert_trees_all_close(p, ref, rtol=0, atol=LEGACY_ATOL)
   else:
     chex.assert_trees_all_equal(p, ref)
   params = init_params(CFG, 0)
@@ -114,9 +120,9 @@ def test_unreachable_or_no_threshold_equals_muon_adamw():
                jax.jit(MUON.update)(g, MUON.init(params), params)[0])
   # A finite but unreachable tau keeps every update (jnp.where picks it), but XLA fuses the
   # larger program differently, so the Muon arithmetic rounds differently (measured 4e-6
-  # after three steps at this high learning rate).
+  # after three steps at this high learning rate; more under the legacy emitters, LEGACY_ATOL).
   p, _, _ = _run(_muonclip(qk_clip_threshold=1e9), steps=3)
-  chex.assert_trees_all_close(p, ref, rtol=0, atol=2e-5)
+  chex.assert_trees_all_close(p, ref, rtol=0, atol=LEGACY_ATOL if legacy_emitters() else 2e-5)
 
 
 def test_missing_max_logits_is_an_error_and_none_turns_clip_off():
@@ -148,11 +154,14 @@ def test_chain_inject_hyperparams_and_schedule():
   # a 2e-7 relative difference in AdamW's first update, which Newton–Schulz and Adam's
   # normalization amplify to ~1e-5 in three steps at this learning rate (JAX 0.12 measured
   # 1.6e-5 on lm_head). Given the same float32 betas, the two programs agree bit for bit
-  # (measured on JAX 0.10.2 and 0.12); every other hyperparameter rounds identically.
+  # (measured on JAX 0.10.2 and 0.12); every other hyperparameter rounds identically. Under
+  # the legacy emitters (_exactness) the two programs' ulps may differ, amplified the same
+  # way (LEGACY_ATOL).
   p_ref, _, _ = _run(mc.muonclip(optax.cosine_decay_schedule(LR, 10), layout=CFG.layout,
                                   qk_clip_threshold=TAU, matrix_axes=matrix_axes,
                                   adam_b1=np.float32(0.9), adam_b2=np.float32(0.95)), steps=3)
-  chex.assert_trees_all_close(p_inj, p_ref, atol=1e-7, rtol=0)  # traced vs constant hyperparameters
+  atol = LEGACY_ATOL if legacy_emitters() else 1e-7
+  chex.assert_trees_all_close(p_inj, p_ref, atol=atol, rtol=0)  # traced vs constant hyperparameters
   assert float(state.hyperparams["qk_clip_threshold"]) == TAU
 
 

@@ -136,15 +136,31 @@ def test_property_output_bounded_and_finite(x):
 
 @pytest.mark.parametrize("method,normalize", [("standard", "frobenius"), ("gram", "schatten4")])
 def test_huge_inputs_give_the_output_of_the_input_scaled_down(method, normalize):
-  """Orthogonalization is scale-invariant: entries of 1e19 to 1e38 (whose squares overflow
-  float32) give the output of the same matrix at a normal scale, not zero."""
+  """Orthogonalization is scale-invariant: a largest entry of 1e19 up to float32's largest
+  (squares overflow from ~1.8e19; the reciprocal of anything above 2^126 = 8.5e37 is
+  subnormal, flushed to zero by XLA:CPU) gives the output of the same matrix at a normal
+  scale, not zero or NaN; in float32 and bfloat16."""
   x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 8, 24)), jnp.float32)
+  x = x / jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True)  # largest entry 1 in each matrix
   kw = dict(steps=4, coeffs="polar_express_4", method=method, normalize=normalize)
   ref = newton_schulz(x, **kw)
   assert float(jnp.min(jnp.linalg.svd(ref, compute_uv=False))) > 0.5
-  for scale in (1e19, 1e25, 1e30, 1e37):
-    out = jax.jit(lambda x: newton_schulz(x, **kw))(x * scale)
+  ns = jax.jit(lambda x: newton_schulz(x, **kw))
+  for scale in (1e19, 1e30, 8.4e37, 8.6e37, 1e38, float(np.finfo(np.float32).max)):
+    out = ns(x * jnp.float32(scale))
     chex.assert_trees_all_close(out, ref, atol=2e-5, rtol=0)
+  bf16 = x.astype(jnp.bfloat16)
+  ref16 = ns(bf16).astype(jnp.float32)
+  out16 = ns(bf16 * jnp.bfloat16(2.0**127)).astype(jnp.float32)  # exact: a power of two, 1.7e38
+  chex.assert_trees_all_close(out16, ref16, atol=1e-2, rtol=0)
   # Tiny inputs hit the eps floor (documented): divided by ~eps, not by their norm.
   tiny = newton_schulz(x * 1e-30, **kw)
   assert float(jnp.max(jnp.abs(tiny))) < 1e-6  # against ~0.3 for the same matrix at scale 1
+
+
+def test_zero_size_matrices_give_an_empty_output():
+  """(0, 8), (8, 0), a (3, 0, 4) stack and an empty batch: the empty result, no reduction error."""
+  for shape in ((0, 8), (8, 0), (3, 0, 4), (0, 4, 4)):
+    for method in ("standard", "gram"):
+      out = newton_schulz(jnp.ones(shape, jnp.bfloat16), method=method, coeffs="polar_express_4", steps=None)
+      assert out.shape == shape and out.dtype == jnp.bfloat16

@@ -137,3 +137,40 @@ def test_norm_declarations_are_checked():
     qk_clip(params, {"max_logits": jnp.full((2,), 9.0)}, qk_clip_threshold=1.0,
             layout=GQALayout(2, 2, 4, query_norm="q_norm", key_norm="k_norm"))
 
+
+
+def _one_head_max(p, x, offset):
+  """The max scaled logit of one Gemma-style head with QK-norm ``x * (offset + scale)``."""
+  q = _rms(jnp.einsum("btd,hde->bhte", x, p["attn"]["q_einsum"]["w"]), _bcast(p["attn"]["_query_norm"]["scale"]), offset)
+  k = _rms(jnp.einsum("btd,hde->bhte", x, p["attn"]["k_einsum"]["w"]), _bcast(p["attn"]["_key_norm"]["scale"]), offset)
+  return jnp.max(jnp.einsum("bhqe,bhke->bhqk", q, k) * HD**-0.5, axis=(0, 2, 3))
+
+
+@pytest.mark.parametrize("model, offset, start", [("gemma 2 and 3: x * (1 + scale)", 1.0, 0.0),
+                                                  ("gemma 4: x * scale", 0.0, 1.0)])
+def test_gemma_qk_norm_conventions_clip_to_tau_exactly(model, offset, start):
+  """The right ``norm_scale_offset`` brings the head to tau exactly; the other one misses it
+  (Gemma 4 with 1.0 over-clips to 0.5 of the logit instead of 0.75; Gemma 3 with 0.0 leaves
+  the head above tau)."""
+  rng = np.random.default_rng(3)
+  w = lambda: jnp.asarray(rng.normal(size=(1, D, HD)) * 2, jnp.float32)
+  norm = {"scale": jnp.full((HD,), start, jnp.float32)}
+  params = {"attn": {"q_einsum": {"w": w()}, "k_einsum": {"w": w()}, "_query_norm": norm, "_key_norm": dict(norm)}}
+  x = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
+  s = _one_head_max(params, x, offset)
+  tau = 0.75 * float(s[0])
+  proj = dict(query=Projection("q_einsum", leaf="w", axes=("heads", "in", "head_dim")),
+              key=Projection("k_einsum", leaf="w", axes=("heads", "in", "head_dim")))
+  after = {}
+  for guess in (0.0, 1.0):
+    lay = GQALayout(1, 1, HD, "query", query_norm="_query_norm", key_norm="_key_norm", norm_scale_offset=guess, **proj)
+    clipped = qk_clip(params, {"attn": {"max_logits": s}}, qk_clip_threshold=tau, layout=lay)
+    after[guess] = float(_one_head_max(clipped, x, offset)[0])
+  np.testing.assert_allclose(after[offset], tau, rtol=1e-5)  # the documented convention: exactly tau
+  wrong = after[1.0 - offset]
+  if offset == 0.0:  # Gemma 4 declared as x * (1 + scale): scale 2 * 0.75 - 1 = 0.5, the head at 2/3 of tau
+    np.testing.assert_allclose(wrong, tau * 0.5 / 0.75, rtol=1e-5)
+  else:  # Gemma 3 declared as x * scale: 0.75 * 0 = 0, so 1 + 0 leaves the head above tau
+    np.testing.assert_allclose(wrong, float(s[0]), rtol=1e-5)
+  with pytest.raises(ValueError, match=r"Gemma 2 and 3's RMSNorm; Gemma 4's QK-norm computes x \* scale"):
+    qk_clip(params, {"attn": {"max_logits": s}}, qk_clip_threshold=tau, layout=GQALayout(1, 1, HD, **proj))

@@ -138,7 +138,7 @@ def test_validation_and_missing_extra(monkeypatch):
   from muonclip_jax.nn._splash import _default_interpret
 
   assert _default_interpret("tpu") is False and _default_interpret("cpu") is True
-  with pytest.raises(ValueError, match="TPU kernel.*interpret=True"):
+  with pytest.raises(ValueError, match="TPU kernel.*use impl='auto', 'tokamax_gpu'"):
     _default_interpret("gpu")
   monkeypatch.setitem(sys.modules, "tokamax", None)  # as if not installed
   for name in [m for m in sys.modules if m.startswith("tokamax.")]:

@@ -28,6 +28,7 @@ from typing import Literal
 
 import jax
 
+from .._checks import check_bool
 from ._auto import resolve_impl
 from ._chunked import chunked_attention
 from ._dense import dense_attention
@@ -94,6 +95,8 @@ def attention(
     >>> round(float(max_logits[0]), 4)  # q . k / sqrt(8) = 8 / sqrt(8)
     2.8284
   """
+  check_bool("attention: is_causal", is_causal)
+  check_bool("attention: return_max_logits", return_max_logits)
   if impl == "auto":
     impl = resolve_impl(q, k, v, mask=mask, is_causal=is_causal, logits_soft_cap=logits_soft_cap,
                         return_max_logits=return_max_logits)

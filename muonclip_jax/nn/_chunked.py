@@ -161,6 +161,7 @@ def chunked_attention(
   q_side, k_side = check_and_prepare(
       q, k, v, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       q_mask=q_mask, kv_mask=kv_mask, name="attention(impl='chunked')",
+      is_causal=is_causal, return_max_logits=return_max_logits,
   )
   b, tq, h, _ = q.shape
   tk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]

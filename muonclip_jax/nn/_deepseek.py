@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
+from .._checks import check_bool
 from ._mla import MultiHeadLatentAttention
 from ._nnx import MultiHeadLatentAttentionNNX
 from ._rope import YarnScaling, yarn_mscale
@@ -111,11 +112,18 @@ def _hf_rotary_mscales(factor: float, mscale: float | None, mscale_all_dim: floa
   return float(deepseek), float(transformers)
 
 
+def _config_bool(config: Mapping, key: str, default: bool) -> bool:
+  """``config[key]`` (``default`` when missing), a JSON boolean: ``"false"`` is not ``False``."""
+  value = config.get(key, default)
+  check_bool(f"config[{key!r}]", value)
+  return bool(value)
+
+
 def _mla_kwargs(config: Mapping) -> dict[str, Any]:
   """The ``MultiHeadLatentAttention`` fields a Hugging Face DeepseekV3 config sets."""
   if not isinstance(config, Mapping):
     raise TypeError(f"config must be a dict (config.json), got {type(config).__name__}")
-  if config.get("attention_bias"):
+  if _config_bool(config, "attention_bias", False):
     raise ValueError("config['attention_bias'] is True; the MLA modules have no biases")
   return dict(
       num_heads=_get(config, "num_attention_heads"),
@@ -126,7 +134,7 @@ def _mla_kwargs(config: Mapping) -> dict[str, Any]:
       v_head_dim=_get(config, "v_head_dim"),
       rope_theta=float(_get(config, "rope_theta")),
       yarn=_yarn(config),
-      rope_interleave=bool(config.get("rope_interleave", True)),
+      rope_interleave=_config_bool(config, "rope_interleave", True),
   )
 
 

@@ -51,7 +51,8 @@ def dense_attention(
     k: keys ``(B, Tk, Hkv, Dqk)``, ``H % Hkv == 0``.
     v: values ``(B, Tk, Hkv, Dv)``.
     softmax_scale: the factor applied to ``q . k`` (static Python float).
-    is_causal: mask keys after the query (bottom-right aligned).
+    is_causal: mask keys after the query (bottom-right aligned); a bool, as
+      ``return_max_logits`` (TypeError otherwise: ``"False"`` is truthy).
     mask: optional boolean mask broadcastable to ``(B, H, Tq, Tk)``, True = attend.
     q_segment_ids: optional ``(B, Tq)`` ints; with ``kv_segment_ids`` ``(B, Tk)``,
       only equal segments attend (packed sequences).
@@ -83,6 +84,7 @@ def dense_attention(
   q_side, k_side = check_and_prepare(
       q, k, v, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       q_mask=q_mask, kv_mask=kv_mask, name="attention(impl='dense')",
+      is_causal=is_causal, return_max_logits=return_max_logits,
   )
   b, tq, h, _ = q.shape
   tk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]

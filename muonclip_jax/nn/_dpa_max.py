@@ -140,6 +140,7 @@ def dpa_max_attention(
   q_side, k_side = check_and_prepare(
       q, k, v, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       q_mask=q_mask, kv_mask=kv_mask, name="attention(impl='dpa_max')",
+      is_causal=is_causal, return_max_logits=return_max_logits,
   )
   tq, tk = q.shape[1], k.shape[1]
   whole = Static(float(softmax_scale), bool(is_causal), tq, tk, tk, False)

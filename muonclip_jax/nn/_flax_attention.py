@@ -73,6 +73,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .._checks import check_bool
 from ._attention import ATTENTION_IMPLS, attention
 from ._flax_private import check_module, linen_calling_module
 from ._masking import head_max
@@ -241,6 +242,9 @@ def dot_product_attention(
     >>> y.shape, state["intermediates"]["max_logits"].shape  # sown next to query/key
     ((1, 4, 16), (2,))
   """
+  for name, flag in (("broadcast_dropout", broadcast_dropout), ("deterministic", deterministic),
+                     ("force_fp32_for_softmax", force_fp32_for_softmax), ("is_causal", is_causal)):
+    check_bool(f"dot_product_attention: {name}", flag)
   del force_fp32_for_softmax  # the softmax is float32 in every case
   if impl not in ATTENTION_IMPLS:
     raise ValueError(f"dot_product_attention: impl must be one of {ATTENTION_IMPLS}, got {impl!r}")

@@ -33,6 +33,7 @@ import flax.linen as flax_nn
 import jax
 import jax.numpy as jnp
 
+from .._checks import check_bool
 from ._flax_private import check_module, linen_calling_module
 from ._masking import head_max
 from ._sow import capturing, sow_head_max
@@ -79,6 +80,9 @@ def dot_product_attention_weights(
     >>> w.shape, state["intermediates"]["max_logits"].tolist()  # (q . k) / sqrt(16)
     ((2, 4, 8, 8), [4.0, 4.0, 4.0, 4.0])
   """
+  for name, flag in (("broadcast_dropout", broadcast_dropout), ("deterministic", deterministic),
+                     ("force_fp32_for_softmax", force_fp32_for_softmax)):
+    check_bool(f"dot_product_attention_weights: {name}", flag)
   if einsum_dot_general is not None:
     raise ValueError(f"dot_product_attention_weights: einsum_dot_general is not supported (got {einsum_dot_general!r}); "
                      "use flax.linen.dot_product_attention_weights for quantized einsums")

@@ -19,6 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from .._checks import check_bool
 from .._layouts import GQALayout
 from ._attention import AttentionImpl, attention
 from ._module_args import Initializer, check_input, mask_kwargs, validate_common
@@ -28,9 +29,11 @@ from ._sow import capturing, sow_head_max
 
 
 def validate_gqa(
-    name: str, *, num_heads, num_kv_heads, head_dim, clip_mode, use_rope, **common
+    name: str, *, num_heads, num_kv_heads, head_dim, clip_mode, use_rope, qkv_bias, **common
 ) -> GQALayout:
-  """Checks GQA fields with ``ValueError`` and returns the layout."""
+  """Checks GQA fields (``ValueError``; ``TypeError`` for a non-bool boolean) and returns the layout."""
+  check_bool(f"{name}: use_rope", use_rope)
+  check_bool(f"{name}: qkv_bias", qkv_bias)
   try:
     layout = GQALayout(num_heads, num_kv_heads, head_dim, clip_mode=clip_mode)
   except ValueError as e:
@@ -77,7 +80,8 @@ class GroupedQueryAttention(nn.Module):
     use_rope: apply RoPE to queries and keys.
     rope_theta: RoPE base.
     yarn: optional ``YarnScaling`` (frequencies and softmax scale times ``mscale^2``).
-    is_causal: causal self-attention (default True).
+    is_causal: causal self-attention (default True). ``qkv_bias``, ``use_rope`` and
+      ``is_causal`` are bools: anything else (``"False"`` is truthy) is a TypeError.
     impl: one of ``ATTENTION_IMPLS``: ``"auto"`` (default: splash on TPU, tokamax's
       GPU kernels on GPU, dense on CPU), ``"dense"``, ``"chunked"``, ``"dpa_max"``,
       ``"splash"``, ``"tokamax_gpu"`` (see ``attention``).
@@ -122,7 +126,7 @@ class GroupedQueryAttention(nn.Module):
     validate_gqa(
         type(self).__name__, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
         head_dim=self.head_dim, clip_mode=self.clip_mode, use_rope=self.use_rope,
-        impl=self.impl, block_size=self.block_size,
+        qkv_bias=self.qkv_bias, is_causal=self.is_causal, impl=self.impl, block_size=self.block_size,
         rope_theta=self.rope_theta, yarn=self.yarn,
     )
     super().__post_init__()

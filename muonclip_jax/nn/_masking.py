@@ -31,6 +31,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from .._checks import check_bool
+
 
 class QuerySide(NamedTuple):
   segment_ids: jax.Array | None  # (B, Tq) int
@@ -62,8 +64,15 @@ def blocked(softmax_scale: float, is_causal: bool, tq: int, tk: int, block_size:
   return Static(float(softmax_scale), bool(is_causal), tq, tk, block, nb * block != tk), nb
 
 
-def check_and_prepare(q, k, v, *, mask, q_segment_ids, kv_segment_ids, q_mask, kv_mask, name):
-  """Validates shapes and returns ``(QuerySide, KeySide)`` with a 5-D pair mask."""
+def check_and_prepare(q, k, v, *, mask, q_segment_ids, kv_segment_ids, q_mask, kv_mask, name, is_causal,
+                      return_max_logits):
+  """Validates shapes and the boolean options; returns ``(QuerySide, KeySide)`` with a 5-D pair mask.
+
+  ``is_causal`` and ``return_max_logits`` must be bools (TypeError otherwise: ``"False"``
+  would be truthy).
+  """
+  check_bool(f"{name}: is_causal", is_causal)
+  check_bool(f"{name}: return_max_logits", return_max_logits)
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(
         f"{name}: expected q (B, Tq, H, D), k (B, Tk, Hkv, D), v (B, Tk, Hkv, Dv), "

@@ -26,7 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .._checks import check_positive_int
+from .._checks import check_bool, check_positive_int
 from .._layouts import MLALayout
 from ._attention import AttentionImpl, attention
 from ._module_args import Initializer, check_input, mask_kwargs, validate_common
@@ -37,9 +37,8 @@ from ._sow import capturing, sow_head_max
 
 def validate_mla(name: str, *, num_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim,
                  qk_rope_head_dim, v_head_dim, rope_interleave=False, **common) -> MLALayout:
-  """Checks MLA fields with ``ValueError`` and returns the layout."""
-  if not isinstance(rope_interleave, bool):
-    raise ValueError(f"{name}: rope_interleave must be a bool, got {rope_interleave!r}")
+  """Checks MLA fields (``ValueError``; ``TypeError`` for a non-bool boolean) and returns the layout."""
+  check_bool(f"{name}: rope_interleave", rope_interleave)
   check_positive_int(f"{name}: q_lora_rank", q_lora_rank, allow_zero=True)
   check_positive_int(f"{name}: kv_lora_rank", kv_lora_rank)
   try:
@@ -135,7 +134,8 @@ class MultiHeadLatentAttention(nn.Module):
     rope_interleave: rotate the pairs ``(2i, 2i+1)`` of each rotary part (DeepSeek-V3's
       reference and Hugging Face's ``rope_interleave``) instead of ``(i, i + dr/2)``;
       checkpoints of DeepSeek-V3 / Kimi K2 then load without permuting columns.
-    is_causal: causal self-attention (default True).
+    is_causal: causal self-attention (default True). ``rope_interleave`` and ``is_causal``
+      are bools: anything else (``"False"`` is truthy) is a TypeError.
     impl: ``"auto"`` (default: splash on TPU, tokamax's GPU kernels on GPU, dense
       on CPU), ``"dense"`` (materialized logits), ``"chunked"`` (online softmax),
       ``"dpa_max"``, ``"splash"`` or ``"tokamax_gpu"`` (see ``attention``).
@@ -184,6 +184,7 @@ class MultiHeadLatentAttention(nn.Module):
         qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
         impl=self.impl, block_size=self.block_size,
         rope_theta=self.rope_theta, yarn=self.yarn, rope_interleave=self.rope_interleave,
+        is_causal=self.is_causal,
     )
     super().__post_init__()
 

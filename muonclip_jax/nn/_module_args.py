@@ -13,7 +13,7 @@ from typing import Callable
 
 import jax
 
-from .._checks import check_positive_int
+from .._checks import check_bool, check_positive_int
 from ._attention import ATTENTION_IMPLS
 from ._rope import YarnScaling, default_positions
 
@@ -27,8 +27,16 @@ def validate_common(
     block_size: int,
     rope_theta: float,
     yarn: YarnScaling | None,
+    is_causal: bool,
+    eager_sharding: bool | None = False,
 ) -> None:
-  """Checks the fields shared by the attention modules; raises ``ValueError``."""
+  """Checks the fields shared by the attention modules.
+
+  ValueError for a bad value; TypeError for a boolean field that is not a bool
+  (``is_causal="False"`` would otherwise be truthy, hence causal).
+  """
+  check_bool(f"{name}: is_causal", is_causal)
+  check_bool(f"{name}: eager_sharding", eager_sharding, allow_none=True)
   if impl not in ATTENTION_IMPLS:
     raise ValueError(f"{name}: impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
   check_positive_int(f"{name}: block_size", block_size)

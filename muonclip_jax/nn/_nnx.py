@@ -106,6 +106,7 @@ class MultiHeadLatentAttentionNNX(nnx.Module):
         kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
         qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim, impl=impl,
         block_size=block_size, rope_theta=rope_theta, yarn=yarn, rope_interleave=rope_interleave,
+        is_causal=is_causal, eager_sharding=eager_sharding,
     )
     self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
     self.rope_interleave = rope_interleave
@@ -213,8 +214,9 @@ class GroupedQueryAttentionNNX(nnx.Module):
   ):
     self._layout = validate_gqa(
         type(self).__name__, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        clip_mode=clip_mode, use_rope=use_rope, impl=impl,
-        block_size=block_size, rope_theta=rope_theta, yarn=yarn,
+        clip_mode=clip_mode, use_rope=use_rope, qkv_bias=qkv_bias, impl=impl,
+        block_size=block_size, rope_theta=rope_theta, yarn=yarn, is_causal=is_causal,
+        eager_sharding=eager_sharding,
     )
     self.use_rope, self.rope_theta, self.yarn, self.is_causal = use_rope, rope_theta, yarn, is_causal
     self.impl, self.block_size = impl, block_size

@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._checks import check_bool
+
 
 @dataclasses.dataclass(frozen=True)
 class YarnScaling:
@@ -194,6 +196,7 @@ def apply_rope(
     >>> bool(jnp.allclose(out[:, 0], x[:, 0]))  # position 0 is not rotated
     True
   """
+  check_bool("apply_rope: rope_interleave", rope_interleave)
   if x.ndim != 4:
     raise ValueError(f"apply_rope: expected x of shape (batch, seq, heads, dim), got {x.shape}")
   if positions.shape != x.shape[:2]:

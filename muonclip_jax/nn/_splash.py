@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._checks import check_bool
 from . import _tokamax_adapter
 from ._masking import check_and_prepare, head_max
 from ._residual_max import row_max_from_residual
@@ -52,8 +53,8 @@ def _default_interpret(backend: str) -> bool:
   if backend == "cpu":
     return True
   raise ValueError(
-      f"attention(impl='splash'): splash is a TPU kernel; on the '{backend}' backend pass "
-      "interpret=True explicitly (slow) or use impl='auto' / 'chunked' / 'dpa_max'"
+      f"attention(impl='splash'): splash is a TPU kernel (interpreted on the CPU for tests); on the "
+      f"'{backend}' backend use impl='auto', 'tokamax_gpu', 'chunked' or 'dpa_max'"
   )
 
 
@@ -182,9 +183,11 @@ def splash_attention(
   q_side, k_side = check_and_prepare(
       q, k, v, mask=None, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       q_mask=q_mask, kv_mask=kv_mask, name="attention(impl='splash')",
+      is_causal=is_causal, return_max_logits=return_max_logits,
   )
   b, tq, h, _ = q.shape
   tk = k.shape[1]
+  check_bool("splash_attention: interpret", interpret, allow_none=True)
   if interpret is None:
     interpret = _default_interpret(jax.default_backend())
   kernel_lib, mask_lib, base = _tokamax_adapter.splash_modules("impl='splash'")

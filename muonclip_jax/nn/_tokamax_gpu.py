@@ -105,6 +105,7 @@ def tokamax_gpu_attention(
   q_side, k_side = check_and_prepare(
       q, k, v, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       q_mask=q_mask, kv_mask=kv_mask, name="attention(impl='tokamax_gpu')",
+      is_causal=is_causal, return_max_logits=return_max_logits,
   )
   if implementation is None:
     backend = jax.default_backend()
