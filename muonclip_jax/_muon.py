@@ -28,8 +28,11 @@ from ._boxes import MetadataMemo
 from ._checks import check_number
 from ._matrix_axes import MatrixAxesSpec, from_matrices, to_matrices
 from ._paths import path_str
-from ._routing import matrix_axes_lookup, matrix_dims
 from ._distributed_ns import check_target, orthogonalize_leaves_sharded
+from ._block_orthogonalize import orthogonalize_blocks
+from ._layout_matrices import check_blocks, muon_blocks_lookup
+from ._muon_blocks import piece_dims
+from ._sequence import after as _after
 
 RMS_MODES = ("moonlight", "keller", None)
 
@@ -54,19 +57,6 @@ class ScaleByMuonState(NamedTuple):
   """
 
   mu: optax.Updates  # momentum M_t; shapes of the params, dtype mu_dtype (default: the params')
-
-
-def _after(tree: Any, done: list) -> Any:
-  """``tree``, made to depend on the arrays ``done``: XLA computes those first.
-
-  The dependency is an exact ``+ 0``: ``z = min(|v|, 0)`` with ``v`` one element of each of
-  ``done`` (NaN replaced by 0) is 0 for every value, but the compiler cannot tell.
-  ``lax.optimization_barrier`` would say the same more directly, but XLA:CPU drops it
-  before scheduling.
-  """
-  v = sum(jnp.ravel(d)[0].astype(jnp.float32) for d in done)
-  z = jnp.minimum(jnp.abs(jnp.where(jnp.isnan(v), 0.0, v)), 0.0)
-  return jax.tree.map(lambda x: x + z.astype(x.dtype), tree)
 
 
 def orthogonalize_leaves(gs: list, ms: list, specs: list, direction: Any, finish: Any, *,
@@ -155,6 +145,8 @@ def scale_by_muon(
     rms_match: str | None = "moonlight",
     rms_scale: float = 0.2,
     matrix_axes: MatrixAxesSpec = None,
+    layout: Any = None,
+    muon_blocks: str = "matrix",
     shard_orthogonalization: Any = None,
     shard_split: str = "auto",
 ) -> optax.GradientTransformation:
@@ -245,6 +237,7 @@ def scale_by_muon(
     0.2
   """
   check_target(shard_orthogonalization)
+  check_blocks(muon_blocks, layout)
   if shard_split not in ("auto", "always", "never"):
     raise ValueError(f"shard_split must be 'auto', 'always' or 'never', got {shard_split!r}")
   _newton_schulz.resolve_coeffs(ns_coeffs, ns_steps)  # validates both
@@ -266,14 +259,17 @@ def scale_by_muon(
 
   memo = MetadataMemo()  # axes read from boxed params at init, for the bare arrays of update (nnx.Optimizer)
 
+  def blocks_of(tree):
+    return muon_blocks_lookup(matrix_axes, layout, muon_blocks, tree)
+
   def init_fn(params):
-    lookup = matrix_axes_lookup(matrix_axes, params)
+    lookup = blocks_of(params)
     # Resolve every leaf now, so that an ambiguous tensor fails at init with its path.
     table = {}
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
       p = path_str(path)
       table[p] = lookup(p, x.shape)
-      matrix_dims(table[p], p, x.shape)
+      piece_dims(table[p], p, x.shape)
     memo.remember(params, table)
     mu = optax.tree.zeros_like(params, dtype=mu_dtype)
     return ScaleByMuonState(mu=mu)
@@ -281,25 +277,32 @@ def scale_by_muon(
   def update_fn(updates, state, params=None):
     del params
     table = memo.recall(updates)
-    lookup = matrix_axes_lookup(matrix_axes, updates) if table is None else (lambda p, _: table[p])
+    lookup = blocks_of(updates) if table is None else (lambda p, _: table[p])
     mu = jax.tree.map(lambda m, g: (beta * m + g).astype(m.dtype), state.mu, updates)
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     flat_mu = treedef.flatten_up_to(mu)
-    specs = []
-    for path, g in flat:
-      p = path_str(path)
-      axes = lookup(p, g.shape)
-      specs.append(axes.resolve(p, g.shape) + matrix_dims(axes, p, g.shape))
+    paths = [path_str(p) for p, _ in flat]
+    blocks = [lookup(p, g.shape) for p, (_, g) in zip(paths, flat)]
 
     def direction(g, m):
       return g + beta * m.astype(g.dtype) if nesterov else m.astype(g.dtype)
 
-    def finish(i, o):
-      return (o * rms_factor(rms_match, rms_scale, specs[i][3], specs[i][4])).astype(flat[i][1].dtype)
+    def rms(fan_in, fan_out):
+      return rms_factor(rms_match, rms_scale, fan_in, fan_out)
 
-    new = orthogonalize_leaves([g for _, g in flat], flat_mu, [s[:3] for s in specs], direction, finish,
+    leaves = [g for _, g in flat]
+    if any(not b.is_whole for b in blocks):  # per head or per part (muon_blocks)
+      new = orthogonalize_blocks(leaves, flat_mu, blocks, direction, rms, paths=paths, whole=orthogonalize_leaves,
+                                 batch=batch, target=shard_orthogonalization, split=shard_split, ns_kwargs=ns_kwargs)
+      return jax.tree_util.tree_unflatten(treedef, new), ScaleByMuonState(mu=mu)
+    specs = [piece_dims(b, p, g.shape)[0] for b, p, g in zip(blocks, paths, leaves)]
+
+    def finish(i, o):
+      return (o * rms(specs[i][3], specs[i][4])).astype(flat[i][1].dtype)
+
+    new = orthogonalize_leaves(leaves, flat_mu, [s[:3] for s in specs], direction, finish,
                                batch=batch, target=shard_orthogonalization, split=shard_split,
-                               paths=[path_str(p) for p, _ in flat], **ns_kwargs)
+                               paths=paths, **ns_kwargs)
     return jax.tree_util.tree_unflatten(treedef, new), ScaleByMuonState(mu=mu)
 
   return optax.GradientTransformation(init_fn, update_fn)

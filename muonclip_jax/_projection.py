@@ -175,6 +175,11 @@ def _expected_shape(axes: tuple[str, ...], shape: tuple[int, ...], parts) -> tup
   return tuple(n if a in ("in", "layers") else size[a] for a, n in zip(axes, shape))
 
 
+def fits_declared(axes: tuple[str, ...], shape, parts) -> bool:
+  """Whether a kernel of ``shape`` holds ``parts`` ((role, heads, width), ...) in the declared ``axes``."""
+  return _expected_shape(axes, tuple(shape), parts) == tuple(shape)
+
+
 def declared_stack(caller: str, path: str, axes, shape, parts, bias_path: str | None = None,
                    bias_shape=None) -> tuple[int, ...]:
   """Checks a declared kernel (and bias) against ``parts``; returns the stacked-layer shape."""
