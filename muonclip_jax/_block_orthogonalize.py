@@ -37,21 +37,42 @@ from ._sequence import after
 
 def ns_in_place(x: jax.Array, batch: tuple[int, ...], fan_in: tuple[int, ...], fan_out: tuple[int, ...],
                 inner: tuple[int, ...], ns: Callable[[jax.Array], jax.Array], limit: int) -> jax.Array:
-  """``ns`` of every matrix of ``x``: its ``inner`` batch axes in one call, the other batch axes
-  (stacked layers) mapped in slices of ``limit`` when there are more than ``limit``.
+  """``ns`` of every matrix of ``x``: the blocks of one matrix (its ``inner`` batch axes) in one
+  call, the other batch axes (stacked layers) in slices of ``limit`` when there are more.
 
-  Only the fan-in and fan-out axes (and the mapped ones) are merged; the inner batch axes
-  keep their own dimensions, so their sharding carries through.
+  The fan-in and fan-out axes keep their stored order when they are not interleaved (a
+  torch-style ``(head_dim, in)`` block is orthogonalized as stored, its transpose's polar
+  factor being the transpose of the polar factor). Each call gets a 3-D ``(blocks, rows,
+  cols)`` stack whose leading axis is the inner axes
+  first (major), then the sliced layers: a heads-sharded axis stays the major part of it,
+  so its sharding carries through the reshape; and XLA:CPU computes every matrix of a 3-D
+  batched product as it computes one matrix alone (a 4-D product rounds differently).
   """
   outer = tuple(a for a in batch if a not in inner)
   kept = tuple(a for a in batch if a in inner)
-  perm = outer + kept + fan_in + fan_out
+  rest = tuple(a for a in range(x.ndim) if a not in batch)
+  if rest not in (fan_in + fan_out, fan_out + fan_in):  # else the matrix (or its transpose) as stored
+    rest = fan_in + fan_out
+  perm = outer + kept + rest
   moved = x if perm == tuple(range(x.ndim)) else jnp.transpose(x, perm)
-  count = math.prod(x.shape[a] for a in outer)
-  rows, cols = math.prod(x.shape[a] for a in fan_in), math.prod(x.shape[a] for a in fan_out)
-  lead = (count,) if outer else ()  # no size-1 axis: XLA:CPU runs a 4-D batched dot another way
-  y = moved.reshape(lead + tuple(x.shape[a] for a in kept) + (rows, cols))
-  z = ns(y) if count <= limit else jax.lax.map(ns, y, batch_size=limit)
+  count, k = math.prod(x.shape[a] for a in outer), math.prod(x.shape[a] for a in kept)
+  # rows x cols as stored: the polar factor of a transpose is the transpose of the polar factor
+  rows = math.prod(x.shape[a] for a in rest[:len(fan_in) if rest[0] in fan_in else len(fan_out)])
+  cols = math.prod(x.shape[a] for a in rest) // rows
+  y = moved.reshape(count, k, rows, cols)
+
+  def run(chunk):  # (n, k, rows, cols) -> the same, through one (k * n, rows, cols) call
+    n = chunk.shape[0]
+    z = ns(jnp.swapaxes(chunk, 0, 1).reshape(k * n, rows, cols))
+    return jnp.swapaxes(z.reshape(k, n, rows, cols), 0, 1)
+
+  if count <= limit:
+    z = run(y)
+  else:
+    full = count - count % limit
+    z = jax.lax.map(run, y[:full].reshape(full // limit, limit, k, rows, cols)).reshape(full, k, rows, cols)
+    if full < count:
+      z = jnp.concatenate([z, run(y[full:])])
   z = z.reshape(tuple(x.shape[a] for a in perm))
   return z if perm == tuple(range(x.ndim)) else jnp.transpose(z, tuple(perm.index(a) for a in range(x.ndim)))
 

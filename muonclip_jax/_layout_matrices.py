@@ -83,8 +83,9 @@ def _find(kind: str, proj: Projection, module: str, shapes: Mapping[str, tuple],
     if required:
       raise ValueError(
           f"{caller}: the attention module {module or '<root>'!r} has no {kind} projection {path!r} "
-          f"({type(lay).__name__} {field}={as_projection(getattr(lay, field)).name!r}); name it with "
-          f"{type(lay).__name__}(..., {field}=...) or a muonclip_jax.Projection; parameters under it: {sorted(shapes)}")
+          f"({type(lay).__name__} {field}={as_projection(getattr(lay, field)).name!r}), which muon_blocks needs per "
+          f"head; name it with {type(lay).__name__}(..., {field}=...) (a name or a muonclip_jax.Projection), or "
+          f"{field}=None to keep it one matrix; parameters under it: {sorted(shapes)}")
     return None
   shape = shapes[proj.kernel]
   lead = ("layers",) * len(stack)

@@ -62,11 +62,18 @@ POLAR_EXPRESS_4_COEFFS = (
     (2.4784, -1.7995, 0.4180),
 )
 
+# DeepSeek-V4's "hybrid" Newton–Schulz, as MaxText runs it for its DeepSeek-V4 decoder
+# (src/maxtext/optimizers/optimizers.py, get_optimizer: 8 steps of Keller Jordan's quintic,
+# then 2 of (2, -1.5, 0.5), 10 steps, Frobenius normalization). The finishing polynomial
+# 2s - 1.5s^3 + 0.5s^5 has p(1) = 1, p'(1) = 0: it pulls the [0.7, 1.2] band of the first
+# stage onto 1.
+DEEPSEEK_V4_FINISH = (2.0, -1.5, 0.5)
+
 # Steps past the published ones use the quintic with p(1) = 1, p'(1) = 0, p''(1) = 0
 # (the classical Newton–Schulz polynomial), which converges to exactly 1.
 _CONVERGED_QUINTIC = (15 / 8, -10 / 8, 3 / 8)
 
-PRESETS = ("muon", "polar_express", "polar_express_4")
+PRESETS = ("muon", "polar_express", "polar_express_4", "deepseek_v4")
 METHODS = ("standard", "gram", "auto")
 NORMALIZATIONS = ("frobenius", "schatten4")
 # method="auto" uses "gram" on matrices with max(rows, cols) >= GRAM_ASPECT * min(rows, cols).
@@ -87,6 +94,7 @@ _PRESETS = {
                              "frobenius", 5),
     "polar_express_4": _Preset(POLAR_EXPRESS_4_COEFFS + (_CONVERGED_QUINTIC,), POLAR_EXPRESS_NORM_SCALE,
                                "schatten4", 4),
+    "deepseek_v4": _Preset((MUON_COEFFS,) * 8 + (DEEPSEEK_V4_FINISH,), 1.0, "frobenius", 10),
 }
 
 
@@ -94,8 +102,8 @@ def resolve_steps(steps: Any, coeffs: Any = "muon") -> Any:
   """Validates ``steps``: a Python int (or a concrete integer array) >= 1, or a tracer.
 
   ``None`` is the number of steps ``coeffs`` was designed for (5 for ``"muon"`` and
-  ``"polar_express"``, 4 for ``"polar_express_4"``, ``k`` for a ``(k, 3)`` table, 5 for a
-  single ``(3,)`` row). ``optax.inject_hyperparams`` turns every numeric argument into an
+  ``"polar_express"``, 4 for ``"polar_express_4"``, 10 for ``"deepseek_v4"``, ``k`` for a
+  ``(k, 3)`` table, 5 for a single ``(3,)`` row). ``optax.inject_hyperparams`` turns every numeric argument into an
   array, so ``steps`` may arrive traced inside a jitted update; the loop then runs with a
   traced trip count.
   """
@@ -189,9 +197,12 @@ def newton_schulz(
     coeffs: ``"muon"`` (Keller Jordan's quintic (3.4445, -4.7750, 2.0315), 5 steps),
       ``"polar_express"`` (Amsel et al. 2025's per-step coefficients, 5 steps),
       ``"polar_express_4"`` (the same construction for 4 steps, see
-      ``POLAR_EXPRESS_4_COEFFS``; Schatten-4 normalization), or an array of shape ``(3,)``
-      (the same every step) or ``(steps, 3)``. Steps past a preset's table use the
-      converged quintic (15/8, -10/8, 3/8).
+      ``POLAR_EXPRESS_4_COEFFS``; Schatten-4 normalization), ``"deepseek_v4"``
+      (DeepSeek-V4's hybrid iteration as MaxText runs it: 8 steps of ``"muon"``'s quintic,
+      then 2 of (2, -1.5, 0.5); 10 steps, Frobenius normalization), or an array of shape
+      ``(3,)`` (the same every step) or ``(steps, 3)``. Steps past a preset's table use the
+      converged quintic (15/8, -10/8, 3/8); past ``"deepseek_v4"``'s, its finishing
+      (2, -1.5, 0.5).
     eps: added to the norm, so that a zero matrix maps to zero. It is a floor: the input is
       divided by ``s ||x|| + eps``, so a matrix whose Frobenius norm is not well above
       ``eps`` (entries of 1e-30, say) is divided by about ``eps`` instead of its norm and
