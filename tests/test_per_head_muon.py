@@ -300,3 +300,85 @@ def test_a_head_with_a_1000x_smaller_gradient_is_still_orthogonalized(forms_and_
     else:  # the small head's share of the whole matrix's update is ~1000x smaller than the others'
       assert sv[1].max() < 0.01 and rms[1] < 0.01, (sv[1], rms)
       assert min(rms[0], rms[2], rms[3]) > 0.15, rms
+
+
+# ----------------------------------------------------------------------------- sharded
+
+_COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "reduce-scatter", "collective-permute")
+
+
+def _collectives(compiled) -> dict[str, list[str]]:
+  text = compiled.as_text()
+  return {op: re.findall(rf"= ([^=\n]*?) {op}(?:-start)?\(", text) for op in _COLLECTIVES}
+
+
+def _sharded_case():
+  """DenseGeneral (in, H, D) and 2-D (in, H * D) kernels with 8 heads: 2 per device of a 4-way model axis."""
+  h = 8
+  rng = np.random.default_rng(4)
+  params = {m: {p: {"kernel": jnp.asarray(rng.standard_normal((IN, h, D) if m == "general" else (IN, h * D)),
+                                          jnp.float32)} for p in ("wq", "wk")} for m in ("general", "flat")}
+  layout = mc.GQALayout(h, h, D, value=None, out=None)
+  return params, {"general": layout, "flat": layout}
+
+
+@pytest.fixture(scope="module")
+def sharded_reference():
+  params, layout = _sharded_case()
+  grads = jax.tree.map(jnp.sin, params)
+  opt = mc.scale_by_muon(layout=layout, muon_blocks="head")
+  return params, layout, grads, jax.jit(opt.update)(grads, opt.init(params))[0]
+
+
+@pytest.mark.parametrize("placement", ["heads", "fsdp"])
+@pytest.mark.parametrize("distributed", [False, True], ids=["spmd", "shard_orthogonalization"])
+def test_sharded_per_head_equals_one_device_and_heads_stay_where_they_live(sharded_reference, placement, distributed):
+  """Heads on a 4-way "model" axis (DenseGeneral heads axis, 2-D columns): the blocks are
+  orthogonalized on the devices that hold them: no all-gather, bit for bit one device's
+  update (2 heads per device, as batched as on one device). FSDP (the fan-in sharded): equal
+  to a few float32 roundings (the Gram products are summed over shards, or gathered)."""
+  params, layout, grads, want = sharded_reference
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+  spec = {"heads": {"general": P(None, "model", None), "flat": P(None, "model")},
+          "fsdp": {"general": P("data", None, None), "flat": P("data", None)}}[placement]
+  ps = {m: {p: {"kernel": NamedSharding(mesh, spec[m])} for p in ("wq", "wk")} for m in spec}
+  opt = mc.scale_by_muon(layout=layout, muon_blocks="head", shard_orthogonalization=ps if distributed else None)
+  g = jax.device_put(grads, ps)
+  state = mc.sharding.init_state(opt, jax.device_put(params, ps), ps)
+  compiled = jax.jit(opt.update, out_shardings=(ps, None)).lower(g, state).compile()
+  got = compiled(g, state)[0]
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    if placement == "heads":
+      assert_same_computation(np.asarray(a), np.asarray(b))
+    else:
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+  found = _collectives(compiled)
+  if placement == "heads":
+    assert not found["all-gather"] and not found["all-to-all"], found
+    # what moves at all is the one-element dependency that orders the calls (spmd) or nothing
+    sizes = [math.prod(int(n) for n in re.search(r"\[([\d,]*)\]", s).group(1).split(",") if n)
+             for s in sum(found.values(), [])]
+    assert all(n <= 1 for n in sizes), found
+
+
+def test_shard_orthogonalization_gathers_heads_it_cannot_split(sharded_reference):
+  """A 2-D kernel of 4 heads with its columns split 8 ways: the view's heads axis cannot carry the
+  sharding, and the distributed Newton–Schulz gathers those blocks first, as it gathers any
+  layout it cannot use; the result is still one device's, in the kernel's sharding."""
+  rng = np.random.default_rng(5)
+  params = {"wq": {"kernel": jnp.asarray(rng.standard_normal((IN, 4 * D)), jnp.float32)},
+            "wk": {"kernel": jnp.asarray(rng.standard_normal((IN, 4 * D)), jnp.float32)}}
+  layout = mc.GQALayout(4, 4, D, value=None, out=None)
+  grads = jax.tree.map(jnp.cos, params)
+  single = mc.scale_by_muon(layout=layout, muon_blocks="head")
+  want = jax.jit(single.update)(grads, single.init(params))[0]
+  mesh = Mesh(np.array(jax.devices()).reshape(1, 8), ("data", "model"))
+  ps = jax.tree.map(lambda _: NamedSharding(mesh, P(None, "model")), params)
+  opt = mc.scale_by_muon(layout=layout, muon_blocks="head", shard_orthogonalization=ps)
+  g = jax.device_put(grads, ps)
+  compiled = jax.jit(opt.update, out_shardings=(ps, None)).lower(g, mc.sharding.init_state(opt, g, ps)).compile()
+  got = compiled(g, mc.sharding.init_state(opt, g, ps))[0]
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5), got, want)
+  assert _collectives(compiled)["all-gather"]
+  for x in jax.tree.leaves(got):
+    assert x.sharding.is_equivalent_to(ps["wq"]["kernel"], 2)
