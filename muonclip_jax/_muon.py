@@ -270,7 +270,7 @@ def scale_by_muon(
     0.2
     >>> layout = mc.GQALayout(num_heads=2, num_kv_heads=2, head_dim=4, value=None)  # wq, wk: 2 heads of 4 columns
     >>> params = {"wq": {"kernel": jnp.zeros((6, 8))}, "wk": {"kernel": jnp.zeros((6, 8))}}
-    >>> g = jax.random.normal(jax.random.key(0), (6, 8)) * jnp.array([1.0] * 4 + [1e-3] * 4)  # head 1: tiny
+    >>> g = jax.random.normal(jax.random.key(0), (6, 8)) * jnp.array([[1.0] * 4 + [1e-3] * 4])  # head 1: tiny
     >>> grads = {"wq": {"kernel": g}, "wk": {"kernel": jax.random.normal(jax.random.key(1), (6, 8))}}
     >>> rms = lambda x: round(float(jnp.sqrt(jnp.mean(x ** 2))), 2)
     >>> for blocks in ("matrix", "head"):
