@@ -39,11 +39,10 @@ def attention_matrix_axes(layout: Any, *, value: Any = None, out: Any = None,
   one ``heads*head_dim x out`` matrix (``MatrixAxes((-3, -2), (-1,))``); leading axes are
   stacked layers. That is the form of ``flax.linen.MultiHeadDotProductAttention`` and
   ``flax.nnx.MultiHeadAttention`` (names ``query``, ``key``, ``value``, ``out``: use
-  ``GQALayout(..., query="query", key="key")``) and of MaxText. Query/key names come from
-  the layout (GQA: ``query``/``key``; MLA: ``wq_b``/``wq`` or ``query``, and
-  ``key_value``), value and output names from ``value``/``out``. A kernel is matched only
-  when its trailing axes are the layout's ``(heads, head_dim)`` (key/value: ``num_kv_heads``;
-  MLA: ``qk_head_dim``, ``nope + v`` and ``v_head_dim`` widths).
+  ``GQALayout(..., query="query", key="key")``) and of MaxText. Projection names come from
+  the layout (GQA: ``query``/``key`` or ``qkv``, ``value``, ``out``; MLA: ``wq_b``/``wq``
+  or ``query``, ``key_value``, ``out``), overridden by ``value``/``out`` here. A value or
+  output kernel that does not hold the layout's heads is left to the rules below.
 
   Every other leaf, by rank:
 

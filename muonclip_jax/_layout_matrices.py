@@ -20,10 +20,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from ._attention_modules import attention_modules, leaves_by_module, names_under
-from ._boxes import is_box, leaf_shape, names_by_path
+from ._boxes import names_by_path
 from ._layouts import GQALayout, MLALayout, check_layout
 from ._matrix_axes import MatrixAxes, MatrixAxesSpec
 from ._muon_blocks import MODES, Blocks, blocks_for, whole
@@ -117,8 +118,8 @@ def layout_blocks(tree: Any, layout: Any, mode: str, caller: str, declared: set 
   names (the others were recognized from their shapes, with leading stacked-layer axes).
   """
   declared = set() if declared is None else declared
-  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]
-  shapes_by_module = {module: {rel: leaf_shape(flat[i][1]) for rel, i in index.items()}
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]  # the arrays (a box masked by optax.partition holds none)
+  shapes_by_module = {module: {rel: tuple(jnp.shape(flat[i][1])) for rel, i in index.items()}
                       for module, index in leaves_by_module(flat).items()}
   names = names_by_path(tree)
   modules = attention_modules(shapes_by_module, layout, caller)

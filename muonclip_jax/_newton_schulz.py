@@ -62,11 +62,8 @@ POLAR_EXPRESS_4_COEFFS = (
     (2.4784, -1.7995, 0.4180),
 )
 
-# DeepSeek-V4's "hybrid" Newton–Schulz, as MaxText runs it for its DeepSeek-V4 decoder
-# (src/maxtext/optimizers/optimizers.py, get_optimizer: 8 steps of Keller Jordan's quintic,
-# then 2 of (2, -1.5, 0.5), 10 steps, Frobenius normalization). The finishing polynomial
-# 2s - 1.5s^3 + 0.5s^5 has p(1) = 1, p'(1) = 0: it pulls the [0.7, 1.2] band of the first
-# stage onto 1.
+# DeepSeek-V4's Newton–Schulz as MaxText runs it (optimizers.py, get_optimizer): 8 steps of
+# Keller's quintic, then 2 of 2s - 1.5s^3 + 0.5s^5 (p(1) = 1, p'(1) = 0), Frobenius-normalized.
 DEEPSEEK_V4_FINISH = (2.0, -1.5, 0.5)
 
 # Steps past the published ones use the quintic with p(1) = 1, p'(1) = 0, p''(1) = 0
@@ -95,9 +92,7 @@ _PRESETS = {
                              "frobenius", 5),
     "polar_express_4": _Preset(POLAR_EXPRESS_4_COEFFS + (_CONVERGED_QUINTIC,), POLAR_EXPRESS_NORM_SCALE,
                                "schatten4", 4),
-    # Ten Gram steps from Keller's quintic drift in float32 without a restart (measured: output
-    # singular values up to 1e20 on matrices of condition 1e6); one restart at step 5 keeps
-    # them within [1.0, 1.002], as the standard iteration.
+    # Ten Gram steps drift in float32 without a restart (1e20 at condition 1e6); one at step 5 holds.
     "deepseek_v4": _Preset((MUON_COEFFS,) * 8 + (DEEPSEEK_V4_FINISH,), 1.0, "frobenius", 10, (5,)),
 }
 

@@ -40,9 +40,10 @@ LOGICAL_AXES: dict[str, frozenset[str]] = {
 class Projection:
   """An attention projection: where its kernel lives and, optionally, how it is stored.
 
-  Accepted wherever a layout takes a projection name (``GQALayout(query=, key=, qkv=)``,
-  ``MLALayout(query=, key_value=)``, ``attention_matrix_axes(value=, out=)``); a bare
-  string ``s`` means ``Projection(s)``.
+  Accepted wherever a layout takes a projection name (``GQALayout(query=, key=, qkv=,
+  value=, out=)``, ``MLALayout(query=, key_value=, out=)``, ``attention_matrix_axes(value=,
+  out=)``); a bare string ``s`` means ``Projection(s)``. An output projection declares its
+  heads side as ``"in"`` (its fan-in) and its model dimension as ``"out"``.
 
   Examples (Gemma, MaxText scanned with ``param_scan_axis=1``, Hugging Face GPT-2)::
 

@@ -382,3 +382,18 @@ def test_shard_orthogonalization_gathers_heads_it_cannot_split(sharded_reference
   assert _collectives(compiled)["all-gather"]
   for x in jax.tree.leaves(got):
     assert x.sharding.is_equivalent_to(ps["wq"]["kernel"], 2)
+
+
+def test_logical_names_give_the_same_blocks_as_declared_axes(forms_and_updates):
+  """MaxText's boxed kernels ``("embed", "layers", "q_heads", "kv")``: the layout reads the axes
+  from the names (no ``Projection(axes=...)``), at ``init`` from the boxes, at ``update`` from
+  the names remembered for the bare arrays (``nnx.Optimizer``'s pattern)."""
+  params, grads, _, out = forms_and_updates
+  names = {"query": ("embed", "layers", "q_heads", "kv"), "key": ("embed", "layers", "kv_heads", "kv_head_dim")}
+  boxed = {n: {"kernel": nn.Partitioned(params["maxtext"][n]["kernel"], names=names[n])} for n in names}
+  lay = mc.GQALayout(H, HKV, D, query="query", key="key", value=None, out=None)
+  opt = mc.scale_by_muon(layout=lay, muon_blocks="head")
+  state = nn.unbox(opt.init(boxed))  # the names are read here; the state and updates are bare arrays
+  got = jax.jit(opt.update)(grads["maxtext"], state)[0]
+  for n in names:
+    np.testing.assert_array_equal(np.asarray(got[n]["kernel"]), np.asarray(out["head+out"]["maxtext"][n]["kernel"]))
