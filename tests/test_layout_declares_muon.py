@@ -80,8 +80,10 @@ def _recipe(name):
     pytest.importorskip("transformers")
     mod = __import__(f"recipe_{name}")
     cfg = mod.Config()
-    with jax.numpy_rank_promotion("allow"):
-      return mod.model_and_params(cfg)[1], cfg.layout, None
+    cls = mod.hf_gpt2.FlaxGPT2LMHeadModel if name == "hf_gpt2" else mod.hf_llama.FlaxLlamaForCausalLM
+    with jax.numpy_rank_promotion("allow"):  # Hugging Face's Flax code broadcasts by rank
+      model = cls(cfg.hf_config, _do_init=False)  # the recipe's model_and_params, shapes only
+      return jax.eval_shape(lambda: model.init_weights(jax.random.key(0), (1, cfg.seq_len))), cfg.layout, None
   from mla_lm import MATRIX_AXES, LMConfig, init_params
   cfg = LMConfig(dim=32, num_layers=2, num_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
                  qk_rope_head_dim=8, v_head_dim=8, mlp_dim=64, attention="gqa" if name.endswith("gqa") else "mla",
