@@ -54,8 +54,8 @@ class LMConfig:
   @property
   def layout(self) -> mc.MLALayout | mc.GQALayout:
     if self.attention == "gqa":
-      return mc.GQALayout(self.num_heads, self.num_kv_heads, self.head_dim)
-    return mc.MLALayout(self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+      return mc.GQALayout(self.num_heads, self.num_kv_heads, self.head_dim, value="wv", out="wo")
+    return mc.MLALayout(self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, out="wo")
 
 
 def _kernel(*names):

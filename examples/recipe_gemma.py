@@ -18,8 +18,8 @@ leaf is ``w``, ``q_einsum/w`` ``(heads, embed, head_dim)``, ``kv_einsum/w``
 
 The lines marked ``# MuonClip`` are all it needs beyond choosing the optimizer: one call
 to ``muonclip_jax.nn.sow_max_logits`` where the logits are computed, the layout that
-declares the storage (``mc.Projection``), Muon's matrices from the same declarations,
-the captured ``intermediates`` and handing them to the optimizer.
+declares the storage (``mc.Projection``; Muon reads its matrices from the same
+declarations), the captured ``intermediates`` and handing them to the optimizer.
 
   python examples/recipe_gemma.py [--steps N] [--soft-cap CAP] [--qk-norm]
 """
@@ -55,12 +55,13 @@ class Config:
   qk_norm: bool = False
 
   @property
-  def layout(self) -> mc.GQALayout:  # MuonClip (1/5): how the q and fused k|v kernels are stored
+  def layout(self) -> mc.GQALayout:  # MuonClip (1/4): how the q, k|v and output kernels are stored
     norms = dict(query_norm="_query_norm", key_norm="_key_norm", norm_scale_offset=1.0) if self.qk_norm else {}
     return mc.GQALayout(
         self.num_heads, self.num_kv_heads, self.head_dim,
         query=mc.Projection("q_einsum", leaf="w", axes=("heads", "in", "head_dim")),
         key=mc.Projection("kv_einsum", leaf="w", axes=("parts", "heads", "in", "head_dim"), parts=("k", "v")),
+        out=mc.Projection("attn_vec_einsum", leaf="w", axes=("in", "in", "out")),  # (heads, head_dim, embed)
         **norms)
 
 
@@ -105,7 +106,7 @@ class Attention(nn.Module):
     group = cfg.num_heads // cfg.num_kv_heads
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
     logits = jnp.einsum("BTNH,BSNH->BTNS", q, k)
-    mcnn.sow_max_logits(self, logits, mask=mask[:, :, None, :], head_axis=2)  # MuonClip (2/5): before the cap
+    mcnn.sow_max_logits(self, logits, mask=mask[:, :, None, :], head_axis=2)  # MuonClip (2/4): before the cap
     if cfg.soft_cap is not None:
       logits = jnp.tanh(logits / cfg.soft_cap) * cfg.soft_cap
     logits = jnp.where(mask[:, :, None, :], logits, K_MASK)
@@ -142,13 +143,11 @@ class Gemma(nn.Module):
 
 
 def optimizer(cfg: Config, learning_rate=3e-3, tau=30.0) -> optax.GradientTransformationExtraArgs:
-  out = mc.Projection("attn_vec_einsum", leaf="w", axes=("in", "in", "out"))
-  matrix_axes = mc.attention_matrix_axes(cfg.layout, out=out)  # MuonClip (3/5): Muon's matrices, same declarations
-  return mc.muonclip(learning_rate, layout=cfg.layout, qk_clip_threshold=tau, matrix_axes=matrix_axes)
+  return mc.muonclip(learning_rate, layout=cfg.layout, qk_clip_threshold=tau)
 
 
 def loss_fn(params, model: Gemma, tokens):
-  # MuonClip (4/5): the forward pass returns the sown max logits
+  # MuonClip (3/4): the forward pass returns the sown max logits
   logits, state = model.apply({"params": params}, tokens[:, :-1], mutable=["intermediates"])
   loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
   return loss, state["intermediates"]
@@ -158,7 +157,7 @@ def make_step(model: Gemma, opt: optax.GradientTransformationExtraArgs):
   @jax.jit
   def step(params, opt_state, tokens):
     (loss, intermediates), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, model, tokens)
-    updates, opt_state = opt.update(grads, opt_state, params, max_logits=intermediates)  # MuonClip (5/5)
+    updates, opt_state = opt.update(grads, opt_state, params, max_logits=intermediates)  # MuonClip (4/4)
     return optax.apply_updates(params, updates), opt_state, loss, intermediates
 
   return step

@@ -36,7 +36,7 @@ class Config:
 
   @property
   def layout(self) -> mc.GQALayout:  # MuonClip (1/4): heads, and the name of the fused projection
-    return mc.GQALayout(self.num_heads, self.num_heads, self.dim // self.num_heads, qkv="c_attn")
+    return mc.GQALayout(self.num_heads, self.num_heads, self.dim // self.num_heads, qkv="c_attn", out="c_proj")
 
 
 class Attention(nn.Module):

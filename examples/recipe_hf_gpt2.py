@@ -10,8 +10,10 @@ kernel is stored, capture the ``intermediates`` and hand them to the optimizer.
 ``FlaxConv1D`` stores kernels torch-style, ``(out, in)``: ``c_attn`` is ``(3 * dim, dim)``,
 query rows, then key rows, then value rows, each head-major, and its bias ``(3 * dim,)``.
 ``mc.Projection("c_attn", axes=("out", "in"))`` says so; QK-Clip scales the query and key
-rows of a clipped head and never the value rows. For Muon it is one 2-D matrix, as any
-other. The token embedding ``wte`` (tied to the LM head) and ``wpe`` go to AdamW.
+rows of a clipped head and never the value rows. Muon reads the same declaration: ``c_attn``
+is one ``dim x 3 dim`` matrix (its parts or heads with ``muon_blocks=``), and ``c_proj``,
+also ``(out, in)``, is declared so that it can be cut per head too. The token embedding
+``wte`` (tied to the LM head) and ``wpe`` go to AdamW.
 
   python examples/recipe_hf_gpt2.py [--steps N]
 """
@@ -54,7 +56,7 @@ class Config:
   @property
   def layout(self) -> mc.GQALayout:  # MuonClip (2/4): heads, and how the fused c_attn kernel is stored
     return mc.GQALayout(self.num_heads, self.num_heads, self.head_dim,
-                        qkv=mc.Projection("c_attn", axes=("out", "in")))
+                        qkv=mc.Projection("c_attn", axes=("out", "in")), out=mc.Projection("c_proj", axes=("out", "in")))
 
 
 def model_and_params(cfg: Config, seed: int = 0):

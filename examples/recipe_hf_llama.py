@@ -52,7 +52,8 @@ class Config:
 
   @property
   def layout(self) -> mc.GQALayout:  # MuonClip (2/4): heads and the names of the q/k projections
-    return mc.GQALayout(self.num_heads, self.num_kv_heads, self.head_dim, query="q_proj", key="k_proj")
+    return mc.GQALayout(self.num_heads, self.num_kv_heads, self.head_dim, query="q_proj", key="k_proj",
+                        value="v_proj", out="o_proj")
 
 
 def model_and_params(cfg: Config, seed: int = 0):

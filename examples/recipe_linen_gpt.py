@@ -1,15 +1,15 @@
 """Recipe 1: MuonClip on a Linen GPT built from ``flax.linen.MultiHeadDotProductAttention``.
 
-The lines marked ``# MuonClip (n/5)`` are all this model needs beyond choosing the
+The lines marked ``# MuonClip (n/4)`` are all this model needs beyond choosing the
 optimizer: Flax's attention function swapped for ``muonclip_jax.nn.dot_product_attention``
 (same output, plus each head's max logit), the layout that names Flax's ``query``/``key``
-DenseGeneral kernels, the matrix axes of those ``(in, heads, head_dim)`` kernels, and the
-``intermediates`` collection handed from the forward pass to the optimizer.
+DenseGeneral kernels, and the ``intermediates`` collection handed from the forward pass to
+the optimizer. The layout is Muon's declaration too: every ``(in, heads, head_dim)``
+kernel (and the ``(heads, head_dim, out)`` output kernel) is one matrix, no ``matrix_axes``.
 
 ``Config(scan=True)`` stacks the blocks with ``nn.scan`` and gives every kernel logical
 axis names (as sharded Linen models do); with ``metadata_params={nn.PARTITION_NAME:
-"layers"}`` the stacked axis is named ``"layers"``, and Muon reads each kernel's matrix from
-the names, so ``matrix_axes`` is not needed there.
+"layers"}`` the stacked axis is named ``"layers"``, and Muon batches it.
 
   python examples/recipe_linen_gpt.py [--scan] [--steps N]
 """
@@ -40,7 +40,7 @@ class Config:
   scan: bool = False
 
   @property
-  def layout(self) -> mc.GQALayout:  # MuonClip (1/5): heads, and the names of Flax's q/k projections
+  def layout(self) -> mc.GQALayout:  # MuonClip (1/4): heads, and the names of Flax's q/k projections
     return mc.GQALayout(self.num_heads, self.num_heads, self.dim // self.num_heads, query="query", key="key")
 
 
@@ -53,7 +53,7 @@ class Block(nn.Module):
   """Pre-norm block: causal multi-head attention and a GELU MLP."""
 
   cfg: Config
-  attention_fn: Callable = dot_product_attention  # MuonClip (2/5): Flax's attention + max logits
+  attention_fn: Callable = dot_product_attention  # MuonClip (2/4): Flax's attention + max logits
 
   @nn.compact
   def __call__(self, x, _=None):
@@ -87,13 +87,11 @@ class GPT(nn.Module):
 
 
 def optimizer(cfg: Config, learning_rate=3e-3, tau=30.0) -> optax.GradientTransformationExtraArgs:
-  # MuonClip (3/5): DenseGeneral kernels (in, heads, head_dim) are one in x heads*head_dim matrix
-  axes = None if cfg.scan else mc.attention_matrix_axes(cfg.layout)
-  return mc.muonclip(learning_rate, layout=cfg.layout, qk_clip_threshold=tau, matrix_axes=axes)
+  return mc.muonclip(learning_rate, layout=cfg.layout, qk_clip_threshold=tau)
 
 
 def loss_fn(params, model: GPT, tokens):
-  # MuonClip (4/5): the forward pass returns the sown max logits
+  # MuonClip (3/4): the forward pass returns the sown max logits
   logits, state = model.apply({"params": params}, tokens[:, :-1], mutable=["intermediates"])
   loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
   return loss, state["intermediates"]
@@ -103,7 +101,7 @@ def make_step(model: GPT, opt: optax.GradientTransformationExtraArgs):
   @jax.jit
   def step(params, opt_state, tokens):
     (loss, intermediates), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, model, tokens)
-    updates, opt_state = opt.update(grads, opt_state, params, max_logits=intermediates)  # MuonClip (5/5)
+    updates, opt_state = opt.update(grads, opt_state, params, max_logits=intermediates)  # MuonClip (4/4)
     return optax.apply_updates(params, updates), opt_state, loss, intermediates
 
   return step

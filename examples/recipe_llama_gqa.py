@@ -39,7 +39,8 @@ class Config:
 
   @property
   def layout(self) -> mc.GQALayout:  # MuonClip (1/4): heads, and the names of the q/k projections
-    return mc.GQALayout(self.num_heads, self.num_kv_heads, self.head_dim, query="q_proj", key="k_proj")
+    return mc.GQALayout(self.num_heads, self.num_kv_heads, self.head_dim, query="q_proj", key="k_proj",
+                        value="v_proj", out="o_proj")
 
 
 class Attention(nn.Module):

@@ -1,6 +1,6 @@
 """Recipe 2: MuonClip on an NNX GPT built from ``flax.nnx.MultiHeadAttention``, with ``nnx.Optimizer``.
 
-The lines marked ``# MuonClip (n/5)`` are all this model needs beyond choosing the
+The lines marked ``# MuonClip (n/4)`` are all this model needs beyond choosing the
 optimizer. ``nnx.MultiHeadAttention`` hands its module to the attention function only when
 called with ``sow_weights=True``; with ``muonclip_jax.nn.dot_product_attention`` that flag
 sows the per-head max logits (not the attention weights) inside
@@ -33,21 +33,21 @@ class Config:
   seq_len: int = 16
 
   @property
-  def layout(self) -> mc.GQALayout:  # MuonClip (1/5): heads, and the names of the q/k projections
+  def layout(self) -> mc.GQALayout:  # MuonClip (1/4): heads, and the names of the q/k projections
     return mc.GQALayout(self.num_heads, self.num_heads, self.dim // self.num_heads, query="query", key="key")
 
 
 class Block(nnx.Module):
   def __init__(self, cfg: Config, *, attention_fn: Callable, rngs: nnx.Rngs):
     self.ln_1 = nnx.LayerNorm(cfg.dim, rngs=rngs)
-    # MuonClip (2/5): Flax's attention + max logits
+    # MuonClip (2/4): Flax's attention + max logits
     self.attn = nnx.MultiHeadAttention(cfg.num_heads, cfg.dim, attention_fn=attention_fn, decode=False, rngs=rngs)
     self.ln_2 = nnx.LayerNorm(cfg.dim, rngs=rngs)
     self.fc = nnx.Linear(cfg.dim, 4 * cfg.dim, rngs=rngs)
     self.proj = nnx.Linear(4 * cfg.dim, cfg.dim, rngs=rngs)
 
   def __call__(self, x):
-    x = x + self.attn(self.ln_1(x), is_causal=True, sow_weights=True)  # MuonClip (3/5): hands over the module
+    x = x + self.attn(self.ln_1(x), is_causal=True, sow_weights=True)  # MuonClip (3/4): hands over the module
     return x + self.proj(nnx.gelu(self.fc(self.ln_2(x))))
 
 
@@ -67,13 +67,11 @@ class GPT(nnx.Module):
 
 
 def optimizer(cfg: Config, learning_rate=3e-3, tau=30.0) -> optax.GradientTransformationExtraArgs:
-  # MuonClip (4/5, with the optimizer): DenseGeneral kernels are one in x heads*head_dim matrix
-  return mc.muonclip(learning_rate, layout=cfg.layout, qk_clip_threshold=tau,
-                     matrix_axes=mc.attention_matrix_axes(cfg.layout))
+  return mc.muonclip(learning_rate, layout=cfg.layout, qk_clip_threshold=tau)  # the layout gives Muon's matrices
 
 
 def loss_fn(model: GPT, tokens):
-  logits, intermediates = nnx.capture(model, nnx.Intermediate)(tokens[:, :-1])  # MuonClip (5/5)
+  logits, intermediates = nnx.capture(model, nnx.Intermediate)(tokens[:, :-1])  # MuonClip (4/4)
   loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
   return loss, intermediates
 

@@ -9,12 +9,19 @@ The demo's model and data (``mla_lm.py``, ``train_mla_lm.py``), several seeds, t
                        pass's maxima (Kimi K2, arXiv 2507.20534, Algorithm 1)
   muonclip-exact  MLA  muon_adamw + make_train_step(exact_clip=True): the clip on the maxima
                        of the updated weights on the step's batch
+  muon-per-head   MLA  muon_adamw(layout=..., muon_blocks="head"), no clip: each head's block
+                       of wq_b and wkv_b orthogonalized on its own (Kimi K3's per-head Muon)
+  muonclip-per-head
+                  MLA  muonclip(muon_blocks="head"): per-head Muon and QK-Clip
   muon-gqa        GQA  muon_adamw, no clip: the control of the next arm
   muon-qknorm     GQA  muon_adamw, RMSNorm on each head's queries and keys (QK-Norm); MLA has
                        no plain QK-Norm (its rotary key is one head shared by all heads)
 
 and a tau ablation: ``muonclip`` at every further value of ``--taus`` (the arms use the
-first). Writes ``<out>/<run>/seed<k>/metrics.jsonl`` per run, ``<out>/study.md`` (tables
+first). Every Muon run also records, per step, the spread over heads of the per-head RMS of
+Muon's update of the query/key(/value) projections (``update_rms_spread``: the largest head's
+RMS over the smallest's, averaged over layers and projections), Kimi K3's motivation for
+per-head Muon. Writes ``<out>/<run>/seed<k>/metrics.jsonl`` per run, ``<out>/study.md`` (tables
 and a reading of them) and the pictures ``study_loss.png``, ``study_heatmap.png``,
 ``study_clipped.png``; ``--docs DIR`` copies study.md and the pictures there.
 
@@ -48,6 +55,7 @@ class Arm(NamedTuple):
   clip: str | None  # None, "alg1" or "exact"
   tau: float
   reference: str | None  # the arm its paired validation-loss difference is taken against
+  blocks: str = "matrix"  # muon_blocks: "matrix" (each projection one matrix) or "head"
 
 
 def arms(taus: list[float]) -> list[Arm]:
@@ -57,6 +65,8 @@ def arms(taus: list[float]) -> list[Arm]:
       Arm("muon", "mla", "muon", None, tau, None),
       Arm("muonclip", "mla", "muon", "alg1", tau, "muon"),
       Arm("muonclip-exact", "mla", "muon", "exact", tau, "muon"),
+      Arm("muon-per-head", "mla", "muon", None, tau, "muon", "head"),
+      Arm("muonclip-per-head", "mla", "muon", "alg1", tau, "muonclip", "head"),
       Arm("muon-gqa", "gqa", "muon", None, tau, "muon"),
       Arm("muon-qknorm", "gqa+qknorm", "muon", None, tau, "muon-gqa"),
   ]
@@ -128,9 +138,52 @@ def build(arm: Arm, steps: int, shardings):
   lr = demo.lr_schedule(demo.LR_MUON, steps)
   kw = dict(matrix_axes=MATRIX_AXES, shard_orthogonalization=shardings)
   if arm.clip == "alg1":
-    return cfg, mc.muonclip(lr, layout=cfg.layout, qk_clip_threshold=arm.tau, **kw), {}
+    return cfg, mc.muonclip(lr, layout=cfg.layout, qk_clip_threshold=arm.tau, muon_blocks=arm.blocks, **kw), {}
   step_kw = dict(exact_clip=True, layout=cfg.layout) if arm.clip == "exact" else {}
+  if arm.blocks != "matrix":  # the layout declares the heads for Muon alone
+    kw.update(layout=cfg.layout, muon_blocks=arm.blocks)
   return cfg, mc.muon_adamw(lr, **kw), dict(qk_clip_threshold=arm.tau, **step_kw)
+
+
+MUON_WEIGHT_DECAY = 0.1  # muon_adamw's default, which build() keeps
+
+
+def update_rms_spread(cfg, steps: int):
+  """``demo.train``'s ``extra`` for a Muon arm: the spread over heads of Muon's per-head update RMS.
+
+  Muon's update ``O`` (orthogonalized and RMS-matched, before the learning rate) is read back
+  from the step: ``new = old - lr_t (O + wd old)`` (decoupled weight decay), so ``O = (old -
+  new) / lr_t - wd old``. For each projection with heads (MLA: ``wq_b``, ``wkv_b``; GQA:
+  ``wq``, ``wk``, ``wv``) and each layer: the RMS of every head's columns of ``O``, and their
+  largest over their smallest; recorded as the mean over layers and projections. A step with
+  ``lr_t = 0`` (the first warm-up step), or whose clip scaled a head (its correction is in the
+  difference too), records None. Whole-matrix Muon lets a head with small momentum get a
+  small update (Kimi K3, section 2.5); per head, every block has the RMS 0.2.
+  """
+  import jax
+  import jax.numpy as jnp
+
+  lr = demo.lr_schedule(demo.LR_MUON, steps)
+  heads = ({"wq_b": cfg.num_heads, "wkv_b": cfg.num_heads} if cfg.attention == "mla" else
+           {"wq": cfg.num_heads, "wk": cfg.num_kv_heads, "wv": cfg.num_kv_heads})
+
+  @jax.jit
+  def spread(old, new, lr_t):
+    out = []
+    for name, h in heads.items():
+      a, b = old["layers"]["attn"][name]["kernel"], new["layers"]["attn"][name]["kernel"]
+      o = (a - b) / lr_t - MUON_WEIGHT_DECAY * a  # (layers, in, heads * width)
+      rms = jnp.sqrt(jnp.mean(o.reshape(*o.shape[:-1], h, -1) ** 2, axis=(1, 3)))  # (layers, heads)
+      out.append(jnp.max(rms, axis=-1) / jnp.min(rms, axis=-1))
+    return jnp.mean(jnp.stack(out))
+
+  def extra(old, new, step, rec):
+    lr_t = float(lr(step - 1))  # the update of step t uses the schedule at count t - 1
+    if lr_t == 0.0 or rec["num_clipped"]:
+      return {"update_rms_spread": None}
+    return {"update_rms_spread": float(spread(old, new, lr_t))}
+
+  return extra
 
 
 def model_config(arm: Arm):
@@ -198,8 +251,9 @@ def train_all(args) -> None:
       if arm.name not in jitted:
         jitted[arm.name] = place.jit(step_fn, state)
       run_dir = os.path.join(args.out, arm.name, f"seed{seed}")
+      extra = update_rms_spread(cfg, args.steps) if arm.optimizer == "muon" else None
       _, sec = demo.train(f"{arm.name} s{seed}", jitted[arm.name], params, state, batches, place, eval_fn,
-                          place.batch(val_batch), args.eval_every, run_dir)
+                          place.batch(val_batch), args.eval_every, run_dir, extra)
       with open(os.path.join(run_dir, "run.json"), "w") as f:
         json.dump({"arm": arm._asdict(), "seed": seed, "sec_per_step": sec}, f)
   with open(os.path.join(args.out, "study.json"), "w") as f:
@@ -264,6 +318,8 @@ def summarize(arm: Arm, records, cfg, secs) -> dict:
       "steps": len(runs[seeds[0]]),
       "passes": _mean_or_none([r["exact_clip_passes"] for s in seeds for r in runs[s] if "exact_clip_passes" in r]),
       "first_above": [next((r["step"] for r in runs[s] if r["max_logit"] > arm.tau), None) for s in seeds],
+      "spread": _mean_or_none([r["update_rms_spread"] for s in seeds for r in runs[s]
+                               if r.get("update_rms_spread") is not None]),
   }
   if arm.reference is not None:
     ref = records[arm.reference]
@@ -279,16 +335,18 @@ CLIP_NAMES = {None: "none", "alg1": "Algorithm 1", "exact": "exact"}
 def table(rows, stats) -> list[str]:
   lines = [
       "| arm | model | clip | tau | final val loss (mean ± std) | Δ val vs reference (paired) | highest max logit "
-      "| max logit, last 10 steps | head-steps > tau | s/step |",
-      "|---|---|---|---|---|---|---|---|---|---|",
+      "| max logit, last 10 steps | head-steps > tau | per-head update RMS, max/min | s/step |",
+      "|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for arm in rows:
     st = stats[arm.name]
     delta = f"{st['delta'][0]:+.3f} ± {st['delta'][1]:.3f} vs {arm.reference}" if "delta" in st else "(reference)"
+    spread = "-" if st["spread"] is None else f"{st['spread']:.2f}"
     lines.append(
         f"| {arm.name} | {MODEL_NAMES[arm.model]} | {CLIP_NAMES[arm.clip]} | {arm.tau:g} "
         f"| {st['val'][0]:.3f} ± {st['val'][1]:.3f} | {delta} | {st['highest']:.1f} "
-        f"| {st['final_logit'][0]:.1f} ± {st['final_logit'][1]:.1f} | {100 * st['above_tau']:.1f}% | {st['sec']:.3f} |"
+        f"| {st['final_logit'][0]:.1f} ± {st['final_logit'][1]:.1f} | {100 * st['above_tau']:.1f}% "
+        f"| {spread} | {st['sec']:.3f} |"
     )
   return lines
 
@@ -345,6 +403,21 @@ def reading(runs, stats) -> list[str]:
       f"- **Exact clip vs Algorithm 1.** Highest max logit {e['highest']:.1f} (exact) vs {c['highest']:.1f}; "
       f"final validation loss {e['val'][0]:.3f} vs {c['val'][0]:.3f}; {e['sec']:.3f} vs {c['sec']:.3f} s/step; "
       f"{passes}.")
+  if "muon-per-head" in s:
+    p, pc = s["muon-per-head"], s["muonclip-per-head"]
+
+    def spread(st):
+      return "n/a" if st["spread"] is None else f"{st['spread']:.2f}"
+
+    lines.append(
+        f"- **Per-head Muon (Kimi K3) vs whole-matrix Muon.** Δ final validation loss, per head minus whole: "
+        f"{p['delta'][0]:+.3f} ± {p['delta'][1]:.3f} without clip ({_noise(p['delta'], n)}), "
+        f"{pc['delta'][0]:+.3f} ± {pc['delta'][1]:.3f} with MuonClip ({_noise(pc['delta'], n)}). Highest max logit "
+        f"{p['highest']:.1f} (per head) vs {s['muon']['highest']:.1f} (whole) without clip, "
+        f"{100 * p['above_tau']:.1f}% vs {100 * s['muon']['above_tau']:.1f}% of head-steps above tau; with MuonClip "
+        f"{100 * pc['above_tau']:.1f}% vs {100 * c['above_tau']:.1f}% clipped. Spread of the per-head update RMS "
+        f"(largest head over smallest): {spread(p)} per head vs {spread(s['muon'])} whole-matrix without clip, "
+        f"{spread(pc)} vs {spread(c)} with MuonClip (steps without a clip only).")
   q, g = s["muon-qknorm"], s["muon-gqa"]
   lines.append(
       f"- **QK-Norm (GQA).** Against Muon on the same GQA model without norm: Δ final validation loss "
@@ -378,7 +451,7 @@ def report(args, runs, stats, cfgs, meta) -> str:
   cmd = (f"python examples/stability_study.py --steps {args.steps} --seeds {args.seeds} "
          f"--taus {','.join(f'{t:g}' for t in args.taus)}{mesh}")
   out = [
-      "# Stability study: AdamW, Muon, MuonClip, QK-Norm",
+      "# Stability study: AdamW, Muon, MuonClip, QK-Norm, per-head Muon",
       "",
       f"`{cmd}` (batch {args.batch} x {args.seq} bytes, validation every {args.eval_every} steps): "
       f"{args.seeds} seed(s) x {len(runs)} runs of {args.steps} steps took **{meta['wall_s'] / 60:.1f} min** "
@@ -401,7 +474,12 @@ def report(args, runs, stats, cfgs, meta) -> str:
       "forward pass, over all seeds; head-steps > tau = share of (head, step) pairs whose forward-pass max logit "
       "exceeded tau: for `muonclip` these are the heads Algorithm 1 clipped; for `muonclip-exact` the clip acts "
       "on the updated weights' maxima instead, which this column does not count; for arms without clip it is what "
-      "a clip at that tau would have touched. s/step leaves out the first (compiling) step.",
+      "a clip at that tau would have touched. Per-head update RMS, max/min = the largest over the smallest of the "
+      "heads' RMS of Muon's update (before the learning rate) of the attention projections with heads (MLA: "
+      "`wq_b`, `wkv_b`; GQA: `wq`, `wk`, `wv`), averaged over layers, projections, steps and seeds, leaving out "
+      "steps whose clip scaled a head (Kimi K3's motivation for per-head Muon: whole matrices let large-momentum "
+      "heads dominate); `-` for AdamW. The `*-per-head` arms orthogonalize each head's block of `wq_b` and `wkv_b` "
+      "on its own (`muon_blocks=\"head\"`). s/step leaves out the first (compiling) step.",
       "",
       f"## Arms (tau = {args.taus[0]:g})",
       "",

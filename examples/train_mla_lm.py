@@ -243,12 +243,13 @@ class Placement:
     return mc.sharding.jit_train_step(step_fn, self.shardings, state_shardings, self.batch_sharding)
 
 
-def train(name, step, params, state, batches, place, eval_fn, val_batch, eval_every, run_dir):
+def train(name, step, params, state, batches, place, eval_fn, val_batch, eval_every, run_dir, extra=None):
   """Runs ``step`` over ``batches``; writes ``run_dir/metrics.jsonl``; returns (records, s/step).
 
   A record per step: loss, the forward pass's max logit (overall, per layer, per head),
   heads above tau, the exact clip's forward passes (if any), and the validation loss every ``eval_every`` steps and at the end.
-  The time per step leaves out step 1 (compilation).
+  ``extra(params before, params after, step, record)``, if given, returns more fields for the
+  record (computed outside the timed step). The time per step leaves out step 1 (compilation).
   """
   import jax
   import numpy as np
@@ -259,6 +260,7 @@ def train(name, step, params, state, batches, place, eval_fn, val_batch, eval_ev
     for t in range(len(batches)):
       batch = place.batch(batches[t])
       t0 = time.perf_counter()
+      before = params
       params, state, metrics = step(params, state, batch)
       metrics = jax.device_get(metrics)  # one host transfer per step, outside the step
       if t > 0:  # step 1 includes compilation
@@ -274,6 +276,8 @@ def train(name, step, params, state, batches, place, eval_fn, val_batch, eval_ev
       }
       if "exact_clip_passes" in metrics:
         rec["exact_clip_passes"] = int(metrics["exact_clip_passes"])
+      if extra is not None:
+        rec.update(extra(before, params, t + 1, rec))
       if (t + 1) % eval_every == 0 or t + 1 == len(batches):
         rec["val_loss"] = float(eval_fn(params, val_batch))
       log.write(json.dumps(rec) + "\n")

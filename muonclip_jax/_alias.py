@@ -36,6 +36,8 @@ def muon(
     rms_match: str | None = "moonlight",
     rms_scale: float = 0.2,
     matrix_axes: MatrixAxesSpec = None,
+    layout: Any = None,
+    muon_blocks: str = "matrix",
     shard_orthogonalization: Any = None,
     shard_split: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
@@ -56,7 +58,7 @@ def muon(
     weight_decay: decoupled weight decay (Moonlight/Kimi: 0.1), a number >= 0 or a schedule.
     weight_decay_mask: optional mask or callable, as in ``optax.add_decayed_weights``.
     beta, nesterov, ns_steps, ns_coeffs, ns_method, ns_normalize, ns_restarts, ns_batch,
-      eps, compute_dtype, mu_dtype, rms_match, rms_scale, matrix_axes,
+      eps, compute_dtype, mu_dtype, rms_match, rms_scale, matrix_axes, layout, muon_blocks,
       shard_orthogonalization, shard_split: the options of ``scale_by_muon``, with its
       defaults.
 
@@ -94,8 +96,8 @@ def muon(
       scale_by_muon(beta, nesterov=nesterov, ns_steps=ns_steps, ns_coeffs=ns_coeffs, ns_method=ns_method,
                     ns_normalize=ns_normalize, ns_restarts=ns_restarts, ns_batch=ns_batch, eps=eps,
                     compute_dtype=compute_dtype, mu_dtype=mu_dtype, rms_match=rms_match, rms_scale=rms_scale,
-                    matrix_axes=matrix_axes, shard_orthogonalization=shard_orthogonalization,
-                    shard_split=shard_split),
+                    matrix_axes=matrix_axes, layout=layout, muon_blocks=muon_blocks,
+                    shard_orthogonalization=shard_orthogonalization, shard_split=shard_split),
       optax.add_decayed_weights(weight_decay, weight_decay_mask),
       optax.scale_by_learning_rate(learning_rate),
   ))
@@ -126,6 +128,8 @@ def muon_adamw(
     rms_match: str | None = "moonlight",
     rms_scale: float = 0.2,
     matrix_axes: MatrixAxesSpec = None,
+    layout: Any = None,
+    muon_blocks: str = "matrix",
     shard_orthogonalization: Any = None,
     shard_split: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
@@ -152,9 +156,12 @@ def muon_adamw(
     adam_weight_decay: AdamW's decoupled weight decay; defaults to ``weight_decay``.
     weight_decay_mask: which leaves are decayed, in both halves (below).
     beta, nesterov, ns_steps, ns_coeffs, ns_method, ns_normalize, ns_restarts, ns_batch,
-      eps, compute_dtype, mu_dtype, rms_match, rms_scale, matrix_axes,
+      eps, compute_dtype, mu_dtype, rms_match, rms_scale, matrix_axes, layout, muon_blocks,
       shard_orthogonalization, shard_split: Muon's options (``scale_by_muon``), with its
-      defaults; ``mu_dtype`` applies to AdamW's first moment too.
+      defaults; ``mu_dtype`` applies to AdamW's first moment too. ``layout`` makes the
+      attention layout Muon's declaration without a clip (``muonclip`` passes its own), e.g.
+      ``muon_adamw(lr, layout=model.layout, muon_blocks="head")`` for per-head Muon where
+      QK-Clip does not apply (linear attention, or no clip at all).
 
   ``weight_decay_mask`` (as in ``optax.add_decayed_weights``: ``True`` where a leaf is
   decayed) applies to both halves. A pytree mask has the structure of the whole params:
@@ -199,7 +206,7 @@ def muon_adamw(
       learning_rate, weight_decay=weight_decay, weight_decay_mask=weight_decay_mask, beta=beta,
       nesterov=nesterov, ns_steps=ns_steps, ns_coeffs=ns_coeffs, ns_method=ns_method, ns_normalize=ns_normalize,
       ns_restarts=ns_restarts, ns_batch=ns_batch, eps=eps, compute_dtype=compute_dtype, mu_dtype=mu_dtype,
-      rms_match=rms_match, rms_scale=rms_scale, matrix_axes=matrix_axes,
+      rms_match=rms_match, rms_scale=rms_scale, matrix_axes=matrix_axes, layout=layout, muon_blocks=muon_blocks,
       shard_orthogonalization=shard_orthogonalization, shard_split=shard_split)
   adam_wd = weight_decay if adam_weight_decay is None else adam_weight_decay
   check_number("adam_weight_decay", adam_wd, low=0.0, schedule=True)

@@ -1,8 +1,12 @@
-"""``attention_matrix_axes``: Muon's matrices of attention kernels, read from their layout."""
+"""``attention_matrix_axes``: Muon's matrices of attention kernels, read from their layout.
+
+A thin layer over ``_layout_matrices`` (what ``scale_by_muon(layout=...)`` reads itself),
+for ``muon``/``scale_by_muon`` without a layout and for a ``default`` of the other leaves.
+"""
 
 from __future__ import annotations
 
-import fnmatch
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -10,29 +14,35 @@ import jax
 
 from ._boxes import is_box, leaf_shape, logical_names
 from ._layouts import GQALayout, MLALayout
+from ._layout_matrices import layout_blocks
 from ._matrix_axes import MatrixAxes
 from ._paths import path_str
-from ._projection import as_projection
 
 # Leaf names of vectors (biases, norm scales) and embedding tables: never matrices of an attention layer.
 _VECTOR_LEAF_NAMES = frozenset({"bias", "scale", "embedding"})
 
 
-def attention_matrix_axes(layout: Any, *, value: Any = "value", out: Any = "out",
+def attention_matrix_axes(layout: Any, *, value: Any = None, out: Any = None,
                           default: MatrixAxes | None = None) -> Callable[[Any], Any]:
-  """``matrix_axes`` for attention kernels of the DenseGeneral form, from their layout.
+  """``matrix_axes`` for attention kernels, from their layout.
 
-  ``matrix_axes=attention_matrix_axes(layout)`` makes each query, key and value kernel
+  ``muonclip(layout=...)``, ``muon_adamw(layout=...)`` and ``scale_by_muon(layout=...)``
+  read the layout themselves; this helper gives the same matrices as a ``matrix_axes``
+  pytree, for ``muon``/``scale_by_muon`` without a layout and to set a ``default`` for the
+  other leaves. In every attention module of the layout (the modules holding its
+  query/key projections), each query, key, value and output kernel is one matrix, in any
+  storage the layout describes (``_layout_matrices``: the kernel forms of ``qk_clip``,
+  declared ``Projection(axes=...)``, logical names; stacked layers batched). For the
+  DenseGeneral form, ``matrix_axes=attention_matrix_axes(layout)`` makes each query, key and value kernel
   ``(*stack, in, heads, head_dim)`` one ``in x heads*head_dim`` matrix
   (``MatrixAxes((-3,), (-2, -1))``) and each output kernel ``(*stack, heads, head_dim, out)``
   one ``heads*head_dim x out`` matrix (``MatrixAxes((-3, -2), (-1,))``); leading axes are
   stacked layers. That is the form of ``flax.linen.MultiHeadDotProductAttention`` and
   ``flax.nnx.MultiHeadAttention`` (names ``query``, ``key``, ``value``, ``out``: use
-  ``GQALayout(..., query="query", key="key")``) and of MaxText. Query/key names come from
-  the layout (GQA: ``query``/``key``; MLA: ``wq_b``/``wq`` or ``query``, and
-  ``key_value``), value and output names from ``value``/``out``. A kernel is matched only
-  when its trailing axes are the layout's ``(heads, head_dim)`` (key/value: ``num_kv_heads``;
-  MLA: ``qk_head_dim``, ``nope + v`` and ``v_head_dim`` widths).
+  ``GQALayout(..., query="query", key="key")``) and of MaxText. Projection names come from
+  the layout (GQA: ``query``/``key`` or ``qkv``, ``value``, ``out``; MLA: ``wq_b``/``wq``
+  or ``query``, ``key_value``, ``out``), overridden by ``value``/``out`` here. A value or
+  output kernel that does not hold the layout's heads is left to the rules below.
 
   Every other leaf, by rank:
 
@@ -50,9 +60,11 @@ def attention_matrix_axes(layout: Any, *, value: Any = "value", out: Any = "out"
 
   Args:
     layout: a ``GQALayout``/``MLALayout``, or a mapping from module-path glob patterns to them.
-    value: name of the value projection (GQA), or a ``muonclip_jax.Projection``.
+    value: name of the value projection (GQA), or a ``muonclip_jax.Projection``; None
+      (default): the layout's ``value``.
     out: name of the output projection, or a ``Projection`` (an output kernel
-      ``(heads, head_dim, embed)`` declares ``axes=("in", "in", "out")``).
+      ``(heads, head_dim, embed)`` declares ``axes=("in", "in", "out")``); None (default):
+      the layout's ``out``.
     default: ``MatrixAxes`` for every other leaf of rank 3, or None.
 
   A projection declared with ``muonclip_jax.Projection(name, leaf=..., axes=...)`` (in the
@@ -80,64 +92,32 @@ def attention_matrix_axes(layout: Any, *, value: Any = "value", out: Any = "out"
   for lay in layouts.values():
     if not isinstance(lay, (GQALayout, MLALayout)):
       raise TypeError(f"attention_matrix_axes: expected a GQALayout or MLALayout (or a mapping to them), got {lay!r}")
-  in_axes, out_axes = MatrixAxes((-3,), (-2, -1)), MatrixAxes((-3, -2), (-1,))
-  value, out = as_projection(value), as_projection(out)
 
-  def projections(lay) -> dict[str, tuple[tuple[int, ...] | None, MatrixAxes, Any]]:
-    """{kernel path relative to the module: (expected trailing shape, axes, declared axes)}."""
-    if isinstance(lay, GQALayout):
-      hd, kv = (lay.num_heads, lay.head_dim), (lay.num_kv_heads, lay.head_dim)
-      if lay.qkv is not None:  # fused (in, 3, heads, head_dim): one in x 3*heads*head_dim matrix
-        found = [(lay.qkv, (3, *hd), MatrixAxes((-4,), (-3, -2, -1)))]
-      else:
-        found = [(lay.query, hd, in_axes), (lay.key, kv, in_axes)]
-      found += [(value, kv, in_axes), (out, hd, out_axes)]
-    else:
-      h = lay.num_heads
-      found = [(q, (h, lay.qk_head_dim), in_axes) for q in ((lay.query,) if lay.query else ("wq_b", "wq"))]
-      found += [(lay.key_value, (h, lay.qk_nope_head_dim + lay.v_head_dim), in_axes), (out, (h, lay.v_head_dim), out_axes)]
-    table = {}
-    for proj, trailing, axes in found:
-      proj = as_projection(proj)
-      table[proj.kernel] = (trailing, axes, proj.axes) if proj.axes is None else (None, proj.matrix_axes(), proj.axes)
-    return table
+  def told(lay):
+    changes = {} if out is None else {"out": out}
+    if value is not None and isinstance(lay, GQALayout):
+      changes["value"] = value
+    return dataclasses.replace(lay, **changes) if changes else lay
 
+  layouts = {pattern: told(lay) for pattern, lay in layouts.items()}
+  resolved = layouts if isinstance(layout, Mapping) else layouts["*"]
   # (heads, width) pairs of every projection of every layout: an unmatched leaf ending in one
   # of them is a DenseGeneral kernel under a name this helper was not told.
-  head_shapes = {tuple(t[-2:]) for lay in layouts.values() for t, _, _ in projections(lay).values() if t}
+  head_shapes = set()
+  for lay in layouts.values():
+    if isinstance(lay, GQALayout):
+      head_shapes |= {(lay.num_heads, lay.head_dim), (lay.num_kv_heads, lay.head_dim)}
+    else:
+      h = lay.num_heads
+      head_shapes |= {(h, lay.qk_head_dim), (h, lay.qk_nope_head_dim + lay.v_head_dim), (h, lay.v_head_dim)}
+  names = sorted({n for lay in layouts.values() for n in _projection_names(lay)})
 
-  def declared(path: str, shape: tuple[int, ...]) -> MatrixAxes | None:
-    matches = []
-    for pattern, lay in layouts.items():
-      for rel, (trailing, axes, decl) in projections(lay).items():
-        if path != rel and not path.endswith("/" + rel):
-          continue
-        module = path[: len(path) - len(rel)].rstrip("/")
-        if fnmatch.fnmatchcase(module, pattern):
-          matches.append((trailing, axes, decl))
-    if len(matches) != 1 and len({(a, d) for _, a, d in matches}) != 1:
-      return None
-    trailing, axes, decl = matches[0]
-    if decl is not None:
-      if len(decl) != len(shape):
-        raise ValueError(f"{path}: attention_matrix_axes: declared axes {decl} do not match the shape {shape}")
-      return axes
-    if len(shape) < 3:
-      return None
-    got = shape[-3:-1] if axes is out_axes else shape[-len(trailing):]
-    return axes if len(shape) > len(trailing) and tuple(got) == trailing else None
-
-  def axes_for(path: str, shape: tuple[int, ...], named: bool) -> MatrixAxes | None:
-    parts = path.split("/")
-    found = declared(path, shape)
-    if found is not None:
-      return found
-    if len(shape) < 3 or parts[-1].lower() in _VECTOR_LEAF_NAMES:
+  def fallback(path: str, shape: tuple[int, ...], named: bool) -> MatrixAxes | None:
+    if len(shape) < 3 or path.split("/")[-1].lower() in _VECTOR_LEAF_NAMES:
       return None
     if tuple(shape[-2:]) in head_shapes or tuple(shape[-3:-1]) in head_shapes:
       if named:
         return None
-      names = sorted({n.rsplit("/", 1)[0] for lay in layouts.values() for n in projections(lay)})
       raise ValueError(
           f"{path}: attention_matrix_axes: a parameter of shape {shape} has, last or before its last axis, the "
           f"(heads, head width) of the layout's projections {sorted(head_shapes)}, so it looks like a DenseGeneral "
@@ -149,8 +129,28 @@ def attention_matrix_axes(layout: Any, *, value: Any = "value", out: Any = "out"
     return default if len(shape) == 3 else None
 
   def spec(params: Any) -> Any:
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: axes_for(path_str(p), leaf_shape(x), is_box(x) and logical_names(x) is not None),
-        params, is_leaf=is_box)
+    declared: set[str] = set()
+    table = layout_blocks(params, resolved, "matrix", "attention_matrix_axes", declared)
+
+    def axes_for(p, x):
+      path, shape = path_str(p), leaf_shape(x)
+      if path not in table:
+        return fallback(path, shape, is_box(x) and logical_names(x) is not None)
+      axes = table[path].axes[0]
+      if path in declared:
+        return axes
+      nd = len(shape)  # recognized from the shape, leading axes stacked layers: counted from the end
+      return MatrixAxes(tuple(a - nd for a in axes.fan_in), tuple(a - nd for a in axes.fan_out))
+
+    return jax.tree_util.tree_map_with_path(axes_for, params, is_leaf=is_box)
 
   return spec
+
+
+def _projection_names(lay: Any) -> list[str]:
+  """The projection names a layout gives (for messages)."""
+  if isinstance(lay, GQALayout):
+    fields = (lay.qkv,) if lay.qkv is not None else (lay.query, lay.key, lay.value)
+  else:
+    fields = (lay.query or "wq_b", lay.key_value)
+  return [f if isinstance(f, str) else f.name for f in fields + (lay.out,) if f is not None]

@@ -112,18 +112,27 @@ def _check_attention(where: str, mha: Any) -> Any:
   return eqx
 
 
-def attention_projections(mha: Any) -> tuple[int, int, Projection, Projection]:
-  """``(num_heads, head_dim, query, key)`` of an ``eqx.nn.MultiheadAttention``.
+def attention_projections(mha: Any) -> tuple[int, int, dict[str, Projection | None]]:
+  """``(num_heads, head_dim, projections)`` of an ``eqx.nn.MultiheadAttention``.
 
-  The projections are its ``query_proj``/``key_proj`` ``Linear`` weights, declared
-  ``("out", "in")``, with a ``"layers"`` axis in front for each axis a stack added
-  (``eqx.filter_vmap``); ``head_dim`` is its ``qk_size``.
+  The projections (``query``, ``key``, ``value``, ``out``) are its ``query_proj``,
+  ``key_proj``, ``value_proj`` and ``output_proj`` ``Linear`` weights, declared
+  ``("out", "in")`` (an output projection's ``"in"`` is its heads side), with a ``"layers"`` axis in front for each axis a stack added
+  (``eqx.filter_vmap``); ``head_dim`` is its ``qk_size``. A layout has one head width, so
+  the value and output projections are declared only when ``vo_size == qk_size`` (None
+  otherwise: Muon then takes them whole).
   """
   _check_attention("GQALayout.from_equinox", mha)
   stack = jnp.ndim(mha.query_proj.weight) - 2
   axes = ("layers",) * stack + ("out", "in")
-  return (mha.num_heads, mha.qk_size, Projection("query_proj", leaf="weight", axes=axes),
-          Projection("key_proj", leaf="weight", axes=axes))
+  same_width = mha.vo_size == mha.qk_size
+  projections = {
+      "query": Projection("query_proj", leaf="weight", axes=axes),
+      "key": Projection("key_proj", leaf="weight", axes=axes),
+      "value": Projection("value_proj", leaf="weight", axes=axes) if same_width else None,
+      "out": Projection("output_proj", leaf="weight", axes=axes) if same_width else None,
+  }
+  return mha.num_heads, mha.qk_size, projections
 
 
 def equinox_attention(

@@ -24,14 +24,19 @@ from ._projection import Projection, as_projection, check_qk_projection
 
 
 def _check_name(owner: str, field: str, value: object, *, optional: bool = False,
-                parts: tuple[tuple[str, ...], ...] = ()) -> None:
-  """A projection: a ``Projection``, or a name that is one non-empty path component."""
+                parts: tuple[tuple[str, ...], ...] = (), output: bool = False) -> None:
+  """A projection: a ``Projection``, or a name that is one non-empty path component.
+
+  An ``output`` projection (heads in, model dimension out) may declare several ``"in"`` axes
+  (``("in", "in", "out")`` for ``(heads, head_dim, embed)``); the others take exactly one.
+  """
   if optional and value is None:
     return
   if isinstance(value, Projection):
     if value.parts is not None and not parts:
       raise ValueError(f"{owner}: {field}={value} is not a fused projection; leave parts=None")
-    check_qk_projection(owner, field, value, parts)
+    if not output:
+      check_qk_projection(owner, field, value, parts)
     return
   if not isinstance(value, str) or not value or "/" in value:
     what = "None or " if optional else ""
@@ -44,6 +49,15 @@ def _check_name(owner: str, field: str, value: object, *, optional: bool = False
 
 def _same(a: object, b: object) -> bool:
   return a is not None and b is not None and as_projection(a).kernel == as_projection(b).kernel
+
+
+def _check_distinct(owner: str, **fields: object) -> None:
+  """The value and output projections may not be another field's kernel."""
+  named = [(f, v) for f, v in fields.items() if v is not None]
+  for i, (f, v) in enumerate(named):
+    for g, w in named[i + 1:]:
+      if g in ("value", "out") and _same(v, w):
+        raise ValueError(f"{owner}: {f} and {g} must be different projections, both are {as_projection(v).kernel!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +88,10 @@ class MLALayout:
       ``muonclip_jax.Projection`` declaring its storage; ``None`` (default) means ``wq_b``,
       or ``wq`` in a module without query LoRA.
     key_value: name (or ``Projection``) of the key/value up-projection (default ``wkv_b``).
+    out: name (or ``Projection``) of the output projection ``(heads * v_head_dim, dim)``
+      (default ``"out"``, MaxText's name; the library's modules: ``"wo"``), or None. QK-Clip
+      never touches it; Muon reads its matrix from here, and orthogonalizes it per head with
+      ``muon_blocks="head+out"``.
 
   Example:
     >>> import jax.numpy as jnp, muonclip_jax as mc
@@ -97,6 +115,7 @@ class MLALayout:
   _: dataclasses.KW_ONLY
   query: str | Projection | None = None
   key_value: str | Projection = "wkv_b"
+  out: str | Projection | None = "out"
 
   def __post_init__(self):
     check_positive_int("num_heads", self.num_heads)
@@ -107,8 +126,10 @@ class MLALayout:
       raise ValueError("MLALayout: qk_nope_head_dim + qk_rope_head_dim must be >= 1, got 0")
     _check_name("MLALayout", "query", self.query, optional=True)
     _check_name("MLALayout", "key_value", self.key_value)
+    _check_name("MLALayout", "out", self.out, optional=True, output=True)
     if _same(self.query, self.key_value):
       raise ValueError(f"MLALayout: query and key_value must differ, both are {self.query!r}")
+    _check_distinct("MLALayout", query=self.query, key_value=self.key_value, out=self.out)
 
   @property
   def qk_head_dim(self) -> int:
@@ -157,6 +178,13 @@ class GQALayout:
       ``qkv`` is set.
     qkv: name of a fused query|key|value projection (``"c_attn"``, ``"qkv_proj"``,
       ``"Wqkv"``), or ``None`` (default) for separate query and key projections.
+    value: name of the value projection (default ``"value"``, Flax's and MaxText's name;
+      Llama: ``"v_proj"``; the library's modules: ``"wv"``), or None. Not used when ``qkv``
+      is set or ``key`` fuses k|v. QK-Clip never touches it; Muon reads its matrix from here,
+      and orthogonalizes it per head with ``muon_blocks="head"``.
+    out: name of the output projection ``(heads * head_dim, dim)`` (default ``"out"``;
+      Llama: ``"o_proj"``; GPT-2: ``"c_proj"``; the library's modules: ``"wo"``), or None.
+      For Muon only (per head with ``muon_blocks="head+out"``).
 
   With QK-norm (q and k normalized per head after the projection: Gemma 3, Qwen3, OLMo 2,
   Flax's ``normalize_qk=True`` with norms ``query_ln``/``key_ln``), ``query_norm`` and
@@ -168,7 +196,7 @@ class GQALayout:
   tau (Gemma 4 with 1.0 over-clips). A module with an undeclared norm of a
   usual QK-norm name is a ValueError, never a clip with no effect.
 
-  Each of ``query``, ``key`` and ``qkv`` may be a ``muonclip_jax.Projection`` that declares
+  Each of ``query``, ``key``, ``qkv``, ``value`` and ``out`` may be a ``muonclip_jax.Projection`` that declares
   the kernel's leaf name and axes (Gemma: ``Projection("q_einsum", leaf="w", axes=("heads",
   "in", "head_dim"))``); ``key`` may then be a fused k|v projection (``parts=("k", "v")``,
   Gemma's ``kv_einsum``) whose value part is never touched.
@@ -199,6 +227,8 @@ class GQALayout:
   query: str | Projection = "wq"
   key: str | Projection = "wk"
   qkv: str | Projection | None = None
+  value: str | Projection | None = "value"
+  out: str | Projection | None = "out"
   query_norm: str | None = None
   key_norm: str | None = None
   norm_scale_offset: float = 0.0
@@ -217,6 +247,8 @@ class GQALayout:
     _check_name("GQALayout", "key", self.key, parts=(("k",), ("k", "v"), ("v", "k")))
     _check_name("GQALayout", "qkv", self.qkv, optional=True,
                 parts=tuple(p for p in itertools.permutations("qkv", 3)) + (("q", "k"), ("k", "q")))
+    _check_name("GQALayout", "value", self.value, optional=True)
+    _check_name("GQALayout", "out", self.out, optional=True, output=True)
     norms = (self.query_norm, self.key_norm)
     for field, value in zip(("query_norm", "key_norm"), norms):
       if value is not None and (not isinstance(value, str) or not value or any(not p for p in value.split("/"))):
@@ -230,6 +262,8 @@ class GQALayout:
           f"GQALayout: query and key must differ, both are {self.query!r}; for a fused "
           "query|key|value projection set qkv=<its name>"
       )
+    _check_distinct("GQALayout", query=None if self.qkv is not None else self.query,
+                    key=None if self.qkv is not None else self.key, qkv=self.qkv, value=self.value, out=self.out)
 
   @property
   def group_size(self) -> int:
@@ -240,10 +274,13 @@ class GQALayout:
     """The layout of an ``equinox.nn.MultiheadAttention`` (or of a stack of them).
 
     ``num_heads`` query and key heads of ``qk_size`` columns; the projections are its
-    ``query_proj``/``key_proj`` ``Linear`` weights, declared ``("out", "in")`` (torch's
-    storage), with a ``"layers"`` axis in front for each axis a stack added
+    ``query_proj``/``key_proj``/``value_proj``/``output_proj`` ``Linear`` weights, declared
+    in torch's storage, ``("out", "in")`` (the output projection's ``"in"`` is its
+    ``heads * head_dim`` side), with a ``"layers"`` axis in front for each axis a stack added
     (``eqx.filter_vmap``): build it from the module as the params hold it
-    (``model.blocks.attn`` of a stacked model, ``model.blocks[0].attn`` of a list).
+    (``model.blocks.attn`` of a stacked model, ``model.blocks[0].attn`` of a list). The value
+    and output projections are declared only when ``vo_size == qk_size`` (the layout has one
+    head width); otherwise ``value`` and ``out`` are None and Muon takes them whole.
 
     Example:
       >>> import equinox as eqx, jax, muonclip_jax as mc
@@ -256,8 +293,8 @@ class GQALayout:
       >>> mc.GQALayout.from_equinox(stacked).key.axes  # 3 layers stacked by filter_vmap
       ('layers', 'out', 'in')
     """
-    num_heads, head_dim, query, key = attention_projections(mha)
-    return cls(num_heads, num_heads, head_dim, clip_mode, query=query, key=key)
+    num_heads, head_dim, projections = attention_projections(mha)
+    return cls(num_heads, num_heads, head_dim, clip_mode, **projections)
 
 
 Layout = MLALayout | GQALayout

@@ -29,8 +29,11 @@ from ._frozen_leaves import skip_frozen_leaves
 from ._checks import check_bool, check_number
 from ._matrix_axes import MatrixAxesSpec, from_matrices, to_matrices
 from ._paths import path_str
-from ._routing import matrix_axes_lookup, matrix_dims
 from ._distributed_ns import check_target, orthogonalize_leaves_sharded
+from ._block_orthogonalize import orthogonalize_blocks
+from ._layout_matrices import check_blocks, muon_blocks_lookup
+from ._muon_blocks import piece_dims
+from ._sequence import after as _after
 
 RMS_MODES = ("moonlight", "keller", None)
 
@@ -55,19 +58,6 @@ class ScaleByMuonState(NamedTuple):
   """
 
   mu: optax.Updates  # momentum M_t; shapes of the params, dtype mu_dtype (default: the params')
-
-
-def _after(tree: Any, done: list) -> Any:
-  """``tree``, made to depend on the arrays ``done``: XLA computes those first.
-
-  The dependency is an exact ``+ 0``: ``z = min(|v|, 0)`` with ``v`` one element of each of
-  ``done`` (NaN replaced by 0) is 0 for every value, but the compiler cannot tell.
-  ``lax.optimization_barrier`` would say the same more directly, but XLA:CPU drops it
-  before scheduling.
-  """
-  v = sum(jnp.ravel(d)[0].astype(jnp.float32) for d in done)
-  z = jnp.minimum(jnp.abs(jnp.where(jnp.isnan(v), 0.0, v)), 0.0)
-  return jax.tree.map(lambda x: x + z.astype(x.dtype), tree)
 
 
 def orthogonalize_leaves(gs: list, ms: list, specs: list, direction: Any, finish: Any, *,
@@ -156,6 +146,8 @@ def scale_by_muon(
     rms_match: str | None = "moonlight",
     rms_scale: float = 0.2,
     matrix_axes: MatrixAxesSpec = None,
+    layout: Any = None,
+    muon_blocks: str = "matrix",
     shard_orthogonalization: Any = None,
     shard_split: str = "auto",
 ) -> optax.GradientTransformation:
@@ -182,9 +174,11 @@ def scale_by_muon(
     nesterov: use ``G_t + mu M_t`` instead of ``M_t``: a ``bool`` (static; anything else
       is a TypeError).
     ns_steps: Newton–Schulz iterations; ``None`` (default) for the number ``ns_coeffs``
-      was designed for (4 for ``"polar_express_4"``, 5 for ``"muon"``/``"polar_express"``).
-    ns_coeffs: ``"polar_express_4"`` (default), ``"muon"``, ``"polar_express"`` or an array
-      (see ``newton_schulz``).
+      was designed for (4 for ``"polar_express_4"``, 5 for ``"muon"``/``"polar_express"``,
+      10 for ``"deepseek_v4"``).
+    ns_coeffs: ``"polar_express_4"`` (default), ``"muon"``, ``"polar_express"``,
+      ``"deepseek_v4"`` (DeepSeek-V4's hybrid iteration; its runs pair it with
+      ``rms_scale=0.18``, see docs/training.md) or an array (see ``newton_schulz``).
     ns_method: ``"auto"`` (default), ``"standard"`` or ``"gram"`` (static; see
       ``newton_schulz``).
     ns_normalize: ``"frobenius"``, ``"schatten4"`` or ``None`` for the preset's own
@@ -196,6 +190,8 @@ def scale_by_muon(
       accelerators, batching small matrices saves kernel launches. (``None`` rather than
       ``1`` as the default keeps it out of ``optax.inject_hyperparams``, which injects every
       numeric default; to pass a number under it, name ``static_args=("ns_batch",)``.)
+      The blocks of one matrix (``muon_blocks``: its heads or parts) always go into one
+      call together; ``ns_batch`` counts their stacked layers.
     eps: Newton–Schulz norm epsilon; a zero gradient gives a zero update. It is a floor on
       the normalization (see ``newton_schulz``): a direction whose Frobenius norm is not
       well above ``eps`` (entries of 1e-30, say) gives an update near zero instead of an
@@ -215,13 +211,42 @@ def scale_by_muon(
       naming its path and shape (see ``matrix_axes_lookup``). What ``init`` reads from boxed
       params is reused by ``update`` for bare arrays of the same paths and shapes, so under
       ``nnx.Optimizer`` (boxed ``nnx.Param`` at init, bare arrays at update) names still decide.
-
-    shard_orthogonalization: static. ``None`` (default): each matrix is orthogonalized in
+      With a ``layout``, an entry of a ``matrix_axes`` pytree (or of a callable's result)
+      still decides its leaf; one ``MatrixAxes`` for all leaves applies to the leaves the
+      layout does not describe.
+    layout: static. The attention layout (``module.layout``, a ``GQALayout``/``MLALayout``
+      or a mapping from module-path patterns to them): the declaration of Muon's matrices
+      for the kernels it describes, with no ``matrix_axes`` needed. In every module that
+      holds its query/key projections, the query, key, value and output kernels get their
+      matrix from it (``"layers"`` axes batched, whatever the storage: 2-D head-major,
+      DenseGeneral, heads-first einsums, torch-style ``(out, in)``, fused q|k|v, declared
+      ``Projection(axes=...)`` or logical names; ``muonclip_jax._layout_matrices``).
+      ``muonclip`` passes its own.
+    muon_blocks: static; how finely the layout's kernels are orthogonalized:
+      ``"matrix"`` (default; Kimi K2, Moonlight): each projection one matrix.
+      ``"part"``: a fused projection as its logical parts (q, k, v of a fused ``qkv``; k, v
+      of Gemma's ``kv_einsum``; MLA ``wkv_b``'s k_nope columns and its v columns).
+      ``"head"`` (Kimi K3, arXiv 2607.24653, section 2.5; GLM-5's "Muon Split", arXiv
+      2602.15763): each head's block of every query, key and value projection on its own,
+      ``in x head_dim`` (MLA: ``wq_b`` per head ``q_lora x (nope + rope)``, ``wkv_b`` per
+      head ``kv_lora x (nope + v)``); the output projection and MLA's down-projections stay
+      whole, as in K3. ``"head+out"``: the output projection per head too
+      (``head_dim x out``). A block is a view of the kernel (a 2-D head-major kernel is
+      reshaped, not copied); a leaf's blocks are orthogonalized in one batched call, so a
+      heads-sharded kernel stays where it lives. The RMS factor is each block's own:
+      Moonlight's ``rms_scale * sqrt(max(rows, cols))`` of an ``in x head_dim`` block gives
+      every head the update RMS ``rms_scale``, as a whole-matrix update has. Anything other
+      than ``"matrix"`` needs ``layout``; ``"head"`` also needs each attention module's value
+      projection (GQA ``value=``), ``"head+out"`` its output projection (``out=``), else
+      ValueError naming the module.
+: static. ``None`` (default): each matrix is orthogonalized in
       its parameter's layout, as XLA partitions it (on a mesh every device repeats much of
       the work). A pytree of the params' ``NamedSharding`` (``sharding.param_shardings``,
       matched by path): every matrix is orthogonalized on one device of their mesh and its
       result returned in its parameter's sharding, matrices placed by FLOPs over the
-      devices (``sharding.orthogonalize_sharded``; ``ns_batch`` is not used). A
+      devices (``sharding.orthogonalize_sharded``; ``ns_batch`` is not used). Blocks
+      (``muon_blocks``) are matrices like any other there, except those of a kernel whose
+      heads are sharded: they are orthogonalized on the devices that hold them. A
       ``jax.sharding.Mesh``: the same, but each matrix is all-gathered first. Use under ``jax.jit`` with the params on that mesh.
       A matrix too large for whole-matrix placement to balance may instead be split over
       a group of devices (its Gram matrix all-reduced, the ``m x m`` iteration split by
@@ -249,8 +274,20 @@ def scale_by_muon(
     True
     >>> round(float(jnp.sqrt(jnp.mean(updates["w"] ** 2))), 1)  # so the update RMS is AdamW's ~0.2
     0.2
+    >>> layout = mc.GQALayout(num_heads=2, num_kv_heads=2, head_dim=4, value=None)  # wq, wk: 2 heads of 4 columns
+    >>> params = {"wq": {"kernel": jnp.zeros((6, 8))}, "wk": {"kernel": jnp.zeros((6, 8))}}
+    >>> g = jax.random.normal(jax.random.key(0), (6, 8)) * jnp.array([[1.0] * 4 + [1e-3] * 4])  # head 1: tiny
+    >>> grads = {"wq": {"kernel": g}, "wk": {"kernel": jax.random.normal(jax.random.key(1), (6, 8))}}
+    >>> rms = lambda x: round(float(jnp.sqrt(jnp.mean(x ** 2))), 2)
+    >>> for blocks in ("matrix", "head"):
+    ...   opt = mc.scale_by_muon(layout=layout, muon_blocks=blocks)
+    ...   updates, _ = opt.update(grads, opt.init(params))
+    ...   print(blocks, [rms(updates["wq"]["kernel"][:, h * 4:(h + 1) * 4]) for h in range(2)])
+    matrix [0.23, 0.02]
+    head [0.2, 0.21]
   """
   check_target(shard_orthogonalization)
+  check_blocks(muon_blocks, layout)
   if shard_split not in ("auto", "always", "never"):
     raise ValueError(f"shard_split must be 'auto', 'always' or 'never', got {shard_split!r}")
   _newton_schulz.resolve_coeffs(ns_coeffs, ns_steps)  # validates both
@@ -273,14 +310,17 @@ def scale_by_muon(
 
   memo = MetadataMemo()  # axes read from boxed params at init, for the bare arrays of update (nnx.Optimizer)
 
+  def blocks_of(tree):
+    return muon_blocks_lookup(matrix_axes, layout, muon_blocks, tree, rms_match=rms_match)
+
   def init_fn(params):
-    lookup = matrix_axes_lookup(matrix_axes, params, rms_match=rms_match)
+    lookup = blocks_of(params)
     # Resolve every leaf now, so that an ambiguous tensor fails at init with its path.
     table = {}
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
       p = path_str(path)
       table[p] = lookup(p, x.shape)
-      matrix_dims(table[p], p, x.shape)
+      piece_dims(table[p], p, x.shape)
     memo.remember(params, table)
     mu = optax.tree.zeros_like(params, dtype=mu_dtype)
     return ScaleByMuonState(mu=mu)
@@ -288,26 +328,32 @@ def scale_by_muon(
   def update_fn(updates, state, params=None):
     del params
     table = memo.recall(updates)
-    lookup = (matrix_axes_lookup(matrix_axes, updates, rms_match=rms_match) if table is None
-              else (lambda p, _: table[p]))
+    lookup = blocks_of(updates) if table is None else (lambda p, _: table[p])
     mu = jax.tree.map(lambda m, g: (beta * m + g).astype(m.dtype), state.mu, updates)
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     flat_mu = treedef.flatten_up_to(mu)
-    specs = []
-    for path, g in flat:
-      p = path_str(path)
-      axes = lookup(p, g.shape)
-      specs.append(axes.resolve(p, g.shape) + matrix_dims(axes, p, g.shape))
+    paths = [path_str(p) for p, _ in flat]
+    blocks = [lookup(p, g.shape) for p, (_, g) in zip(paths, flat)]
 
     def direction(g, m):
       return g + beta * m.astype(g.dtype) if nesterov else m.astype(g.dtype)
 
-    def finish(i, o):
-      return (o * rms_factor(rms_match, rms_scale, specs[i][3], specs[i][4])).astype(flat[i][1].dtype)
+    def rms(fan_in, fan_out):
+      return rms_factor(rms_match, rms_scale, fan_in, fan_out)
 
-    new = orthogonalize_leaves([g for _, g in flat], flat_mu, [s[:3] for s in specs], direction, finish,
+    leaves = [g for _, g in flat]
+    if any(not b.is_whole for b in blocks):  # per head or per part (muon_blocks)
+      new = orthogonalize_blocks(leaves, flat_mu, blocks, direction, rms, paths=paths, whole=orthogonalize_leaves,
+                                 batch=batch, target=shard_orthogonalization, split=shard_split, ns_kwargs=ns_kwargs)
+      return jax.tree_util.tree_unflatten(treedef, new), ScaleByMuonState(mu=mu)
+    specs = [piece_dims(b, p, g.shape)[0] for b, p, g in zip(blocks, paths, leaves)]
+
+    def finish(i, o):
+      return (o * rms(specs[i][3], specs[i][4])).astype(flat[i][1].dtype)
+
+    new = orthogonalize_leaves(leaves, flat_mu, [s[:3] for s in specs], direction, finish,
                                batch=batch, target=shard_orthogonalization, split=shard_split,
-                               paths=[path_str(p) for p, _ in flat], **ns_kwargs)
+                               paths=paths, **ns_kwargs)
     return jax.tree_util.tree_unflatten(treedef, new), ScaleByMuonState(mu=mu)
 
   return skip_frozen_leaves(optax.GradientTransformation(init_fn, update_fn))

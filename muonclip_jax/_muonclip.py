@@ -205,6 +205,7 @@ def muonclip(
     rms_match: str | None = "moonlight",
     rms_scale: float = 0.2,
     matrix_axes: MatrixAxesSpec = None,
+    muon_blocks: str = "matrix",
     shard_orthogonalization: Any = None,
     shard_split: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
@@ -230,7 +231,12 @@ def muonclip(
   Args:
     learning_rate: a scalar or schedule, shared by Muon and (by default) AdamW.
     layout: the attention head layout (``module.layout`` of the library's attention
-      modules), or a mapping from module-path glob patterns to layouts.
+      modules), or a mapping from module-path glob patterns to layouts. It is Muon's
+      declaration too: every query, key, value and output kernel it describes gets its
+      matrix from it, with no ``matrix_axes`` (see ``scale_by_muon``).
+    muon_blocks: ``"matrix"`` (default: each projection one matrix, Kimi K2), ``"part"``
+      (fused projections as their parts), ``"head"`` (Kimi K3's per-head Muon) or
+      ``"head+out"`` (the output projection per head too); see ``scale_by_muon``.
     qk_clip_threshold: tau (Kimi K2: 100), or a schedule of the step count (see
       ``qk_clip_transform``). ``None`` or ``inf`` turns the clip off, and
       ``max_logits`` is then optional; with a finite tau a missing ``max_logits`` is a
@@ -277,7 +283,7 @@ def muonclip(
           weight_decay_mask=weight_decay_mask, beta=beta, nesterov=nesterov, ns_steps=ns_steps,
           ns_coeffs=ns_coeffs, ns_method=ns_method, ns_normalize=ns_normalize, ns_restarts=ns_restarts,
           ns_batch=ns_batch, eps=eps, compute_dtype=compute_dtype, mu_dtype=mu_dtype, rms_match=rms_match,
-          rms_scale=rms_scale, matrix_axes=matrix_axes, shard_orthogonalization=shard_orthogonalization,
-          shard_split=shard_split),
+          rms_scale=rms_scale, matrix_axes=matrix_axes, layout=layout, muon_blocks=muon_blocks,
+          shard_orthogonalization=shard_orthogonalization, shard_split=shard_split),
       qk_clip_transform(qk_clip_threshold, layout=layout),
   )

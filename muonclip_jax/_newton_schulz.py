@@ -62,11 +62,15 @@ POLAR_EXPRESS_4_COEFFS = (
     (2.4784, -1.7995, 0.4180),
 )
 
+# DeepSeek-V4's Newton–Schulz as MaxText runs it (optimizers.py, get_optimizer): 8 steps of
+# Keller's quintic, then 2 of 2s - 1.5s^3 + 0.5s^5 (p(1) = 1, p'(1) = 0), Frobenius-normalized.
+DEEPSEEK_V4_FINISH = (2.0, -1.5, 0.5)
+
 # Steps past the published ones use the quintic with p(1) = 1, p'(1) = 0, p''(1) = 0
 # (the classical Newton–Schulz polynomial), which converges to exactly 1.
 _CONVERGED_QUINTIC = (15 / 8, -10 / 8, 3 / 8)
 
-PRESETS = ("muon", "polar_express", "polar_express_4")
+PRESETS = ("muon", "polar_express", "polar_express_4", "deepseek_v4")
 METHODS = ("standard", "gram", "auto")
 NORMALIZATIONS = ("frobenius", "schatten4")
 # method="auto" uses "gram" on matrices with max(rows, cols) >= GRAM_ASPECT * min(rows, cols).
@@ -79,6 +83,7 @@ class _Preset:
   norm_scale: float  # the input is divided by norm_scale * ||x||
   normalize: str  # which norm
   steps: int  # the number of steps the table was designed for
+  restarts: tuple[int, ...] = ()  # Gram restarts used when none are given
 
 
 _PRESETS = {
@@ -87,6 +92,8 @@ _PRESETS = {
                              "frobenius", 5),
     "polar_express_4": _Preset(POLAR_EXPRESS_4_COEFFS + (_CONVERGED_QUINTIC,), POLAR_EXPRESS_NORM_SCALE,
                                "schatten4", 4),
+    # Ten Gram steps drift in float32 without a restart (1e20 at condition 1e6); one at step 5 holds.
+    "deepseek_v4": _Preset((MUON_COEFFS,) * 8 + (DEEPSEEK_V4_FINISH,), 1.0, "frobenius", 10, (5,)),
 }
 
 
@@ -94,8 +101,8 @@ def resolve_steps(steps: Any, coeffs: Any = "muon") -> Any:
   """Validates ``steps``: a Python int (or a concrete integer array) >= 1, or a tracer.
 
   ``None`` is the number of steps ``coeffs`` was designed for (5 for ``"muon"`` and
-  ``"polar_express"``, 4 for ``"polar_express_4"``, ``k`` for a ``(k, 3)`` table, 5 for a
-  single ``(3,)`` row). ``optax.inject_hyperparams`` turns every numeric argument into an
+  ``"polar_express"``, 4 for ``"polar_express_4"``, 10 for ``"deepseek_v4"``, ``k`` for a
+  ``(k, 3)`` table, 5 for a single ``(3,)`` row). ``optax.inject_hyperparams`` turns every numeric argument into an
   array, so ``steps`` may arrive traced inside a jitted update; the loop then runs with a
   traced trip count.
   """
@@ -162,6 +169,14 @@ def resolve_options(coeffs: Any, steps: Any, method: str, normalize: str | None,
   return normalize, restarts
 
 
+def gram_restarts(coeffs: Any, steps: Any, restarts: tuple[int, ...]) -> tuple[int, ...]:
+  """The restarts Gram Newton–Schulz runs with: the given ones, else the preset's own (below ``steps``)."""
+  if restarts or not (isinstance(coeffs, str) and coeffs in _PRESETS):
+    return restarts
+  own = _PRESETS[coeffs].restarts
+  return tuple(r for r in own if r < steps) if isinstance(steps, int) else own
+
+
 def newton_schulz(
     x: jax.Array,
     *,
@@ -189,9 +204,12 @@ def newton_schulz(
     coeffs: ``"muon"`` (Keller Jordan's quintic (3.4445, -4.7750, 2.0315), 5 steps),
       ``"polar_express"`` (Amsel et al. 2025's per-step coefficients, 5 steps),
       ``"polar_express_4"`` (the same construction for 4 steps, see
-      ``POLAR_EXPRESS_4_COEFFS``; Schatten-4 normalization), or an array of shape ``(3,)``
-      (the same every step) or ``(steps, 3)``. Steps past a preset's table use the
-      converged quintic (15/8, -10/8, 3/8).
+      ``POLAR_EXPRESS_4_COEFFS``; Schatten-4 normalization), ``"deepseek_v4"``
+      (DeepSeek-V4's hybrid iteration as MaxText runs it: 8 steps of ``"muon"``'s quintic,
+      then 2 of (2, -1.5, 0.5); 10 steps, Frobenius normalization), or an array of shape
+      ``(3,)`` (the same every step) or ``(steps, 3)``. Steps past a preset's table use the
+      converged quintic (15/8, -10/8, 3/8); past ``"deepseek_v4"``'s, its finishing
+      (2, -1.5, 0.5).
     eps: added to the norm, so that a zero matrix maps to zero. It is a floor: the input is
       divided by ``s ||x|| + eps``, so a matrix whose Frobenius norm is not well above
       ``eps`` (entries of 1e-30, say) is divided by about ``eps`` instead of its norm and
@@ -215,7 +233,8 @@ def newton_schulz(
       starts at least as close to 1: Grishina et al. 2025, arXiv 2506.10935), or ``None``
       for the preset's choice (``"schatten4"`` for ``"polar_express_4"``, else Frobenius).
     restarts: ``"gram"`` only: step indices (in ``[1, steps - 1]``) before which the Gram
-      matrix is re-formed from the current iterate. Not needed in float32 (tested up to
+      matrix is re-formed from the current iterate. Empty: the preset's own (``"deepseek_v4"``
+      restarts before step 5; the others need none). Not needed in float32 (tested up to
       condition number 1e6) nor in bfloat16 (see ``compute_dtype``).
 
   Returns:
@@ -275,7 +294,8 @@ def newton_schulz(
   else:  # divided by the Frobenius norm first (keeps bf16 in range); the S4 scale comes later
     X = (y / (norm + floor)).astype(dtype)
   if gram:
-    X = _gram_iterate(X, table, steps, normalize == "schatten4", norm_scale, eps, restarts, tall)
+    X = _gram_iterate(X, table, steps, normalize == "schatten4", norm_scale, eps,
+                      gram_restarts(coeffs, steps, restarts), tall)
   else:
     X = _iterate(X, table, steps, normalize == "schatten4", norm_scale, eps, tall)
   return X.astype(x.dtype)
@@ -319,6 +339,7 @@ def ns_flops(shape: tuple[int, ...], *, steps: int | None = 5, coeffs: Any = "mu
   if not gram:
     total = steps * (sym * mmn + sym * mmm + mmn)
   else:
+    restarts = gram_restarts(coeffs, steps, restarts)
     total = sym * mmn + mmn + len(restarts) * (mmn + sym * mmn)
     bounds = (0,) + restarts + (steps,)
     for lo, hi in zip(bounds[:-1], bounds[1:]):

@@ -40,9 +40,10 @@ LOGICAL_AXES: dict[str, frozenset[str]] = {
 class Projection:
   """An attention projection: where its kernel lives and, optionally, how it is stored.
 
-  Accepted wherever a layout takes a projection name (``GQALayout(query=, key=, qkv=)``,
-  ``MLALayout(query=, key_value=)``, ``attention_matrix_axes(value=, out=)``); a bare
-  string ``s`` means ``Projection(s)``.
+  Accepted wherever a layout takes a projection name (``GQALayout(query=, key=, qkv=,
+  value=, out=)``, ``MLALayout(query=, key_value=, out=)``, ``attention_matrix_axes(value=,
+  out=)``); a bare string ``s`` means ``Projection(s)``. An output projection declares its
+  heads side as ``"in"`` (its fan-in) and its model dimension as ``"out"``.
 
   Examples (Gemma, MaxText scanned with ``param_scan_axis=1``, Hugging Face GPT-2)::
 
@@ -178,6 +179,11 @@ def _expected_shape(axes: tuple[str, ...], shape: tuple[int, ...], parts) -> tup
   size = {"parts": len(parts), "heads": h, "head_dim": w,
           "out": h * w if fused else sum(hh * ww for _, hh, ww in parts)}
   return tuple(n if a in ("in", "layers") else size[a] for a, n in zip(axes, shape))
+
+
+def fits_declared(axes: tuple[str, ...], shape, parts) -> bool:
+  """Whether a kernel of ``shape`` holds ``parts`` ((role, heads, width), ...) in the declared ``axes``."""
+  return _expected_shape(axes, tuple(shape), parts) == tuple(shape)
 
 
 def declared_stack(caller: str, path: str, axes, shape, parts, bias_path: str | None = None,

@@ -41,12 +41,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._attention_modules import attention_modules, layouts_of, leaves_by_module, names_under
 from ._boxes import names_by_path
 from ._checks import check_number
 from ._equinox import storage_axes
-from ._layouts import GQALayout, MLALayout, check_layout, layout_for, matching_patterns
+from ._layouts import GQALayout, MLALayout, check_layout, layout_for
 from ._max_logits import MAX_LOGITS, collect_max_logits, nest_max_logits
-from ._paths import join, keystr, strip_value
+from ._paths import join
 from ._projections import detect, missing_projections
 from ._qk_norm import check_undeclared as check_undeclared_norms
 from ._qk_norm import scale_norms
@@ -86,28 +87,6 @@ def threshold_or_nan(tau: Any) -> jax.Array:
   """
   tau = jnp.asarray(tau, jnp.float32)
   return jnp.where(tau > 0, tau, jnp.nan)
-
-
-def _by_module(flat: list) -> dict[str, dict[str, int]]:
-  """{module path: {"<projection path>/<leaf>": index in flat}} for every ancestor module.
-
-  A projection's name may be a path (``Projection("attn/q_einsum", leaf="w")``), so each
-  leaf is listed under every ancestor of its parent module, by its path relative to it.
-  """
-  by_module: dict[str, dict[str, int]] = {}
-  for i, (path, _) in enumerate(flat):
-    path = strip_value(path)
-    for cut in range(len(path) - 1):
-      by_module.setdefault(keystr(path[:cut]), {})[keystr(path[cut:])] = i
-  return by_module
-
-
-def _names_under(module: str, names: Mapping[str, tuple]) -> dict[str, tuple]:
-  """The logical names of the leaves under ``module``, keyed by their path relative to it."""
-  if not module:
-    return dict(names)
-  prefix = module + "/"
-  return {p[len(prefix):]: n for p, n in names.items() if p.startswith(prefix)}
 
 
 def _check_not_variables(module: str, by_module: Mapping[str, Any], caller: str) -> None:
@@ -306,7 +285,7 @@ def qk_clip(params: Any, max_logits: Any, *, qk_clip_threshold: Any, layout: Any
   typed = storage_axes(params)
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
   leaves = [leaf for _, leaf in flat]
-  by_module = _by_module(flat)
+  by_module = leaves_by_module(flat)
   for module, s in maxima.items():
     _check_not_variables(module, by_module, "qk_clip")
     _check_not_child(module, by_module, leaves, layout, s)
@@ -319,8 +298,8 @@ def qk_clip(params: Any, max_logits: Any, *, qk_clip_threshold: Any, layout: Any
     index = by_module.get(module, {})
     shapes = {name: jnp.shape(leaves[i]) for name, i in index.items()}
     factors = _role_factors(s, tau, lay)
-    found = detect(module, lay, shapes, stack=s.shape[:-1], names=_names_under(module, names),
-                   typed=_names_under(module, typed))
+    found = detect(module, lay, shapes, stack=s.shape[:-1], names=names_under(module, names),
+                   typed=names_under(module, typed))
     if isinstance(lay, GQALayout):
       check_undeclared_norms(module, lay, shapes, "qk_clip")
       if lay.query_norm is not None:  # QK-norm: the norms' scales, not the kernels
@@ -345,9 +324,9 @@ def _check_not_child(module: str, by_module: Mapping[str, Mapping[str, int]], le
   shapes = {n: jnp.shape(leaves[i]) for n, i in by_module.get(parent, {}).items()}
   own = {n: jnp.shape(leaves[i]) for n, i in by_module.get(module, {}).items()}
   looks = lambda m, sh, lay: not missing_projections(m, lay, sh, "qk_clip")
-  if any(looks(module, own, lay) for lay in _layouts_of(module, layout)):
+  if any(looks(module, own, lay) for lay in layouts_of(module, layout)):
     return
-  if any(looks(parent, shapes, lay) for lay in _layouts_of(parent, layout)):
+  if any(looks(parent, shapes, lay) for lay in layouts_of(parent, layout)):
     raise ValueError(
         f"qk_clip: {join(module, MAX_LOGITS)} of shape {s.shape} lies below the attention module "
         f"{parent or '<root>'!r}, which holds the query/key projections. Per-batch maxima written by a "
@@ -366,7 +345,7 @@ def _check_all_reported(by_module: Mapping[str, Mapping[str, int]], leaves: list
   otherwise never be clipped, silently.
   """
   shapes = {m: {n: jnp.shape(leaves[i]) for n, i in index.items()} for m, index in by_module.items()}
-  missing = sorted(set(_attention_modules(shapes, layout, "qk_clip")) - set(maxima))
+  missing = sorted(set(attention_modules(shapes, layout, "qk_clip")) - set(maxima))
   if missing:
     raise ValueError(
         f"qk_clip: the attention modules {missing} have the query/key projections of their "
@@ -429,27 +408,6 @@ def qk_clip_stats(max_logits: Any, *, qk_clip_threshold: Any) -> dict[str, dict[
   return stats
 
 
-def _layouts_of(module: str, layout: Any) -> list[_Layout]:
-  if not isinstance(layout, Mapping):
-    return [layout]
-  return [layout[p] for p in matching_patterns(module, layout)] or list(layout.values())
-
-
-def _attention_modules(
-    by_module: Mapping[str, Mapping[str, tuple]], layout: Any, caller: str
-) -> dict[str, _Layout]:
-  """{module path: layout} of the modules that have every projection their layout names."""
-  found = {}
-  for module, shapes in by_module.items():
-    looks = lambda lay: not missing_projections(module, lay, shapes, caller)
-    if not any(looks(lay) for lay in _layouts_of(module, layout)):
-      continue
-    lay = layout_for(module, layout)
-    if looks(lay):
-      found[module] = lay
-  return found
-
-
 def init_max_logits(params: Any, layout: Any) -> dict:
   """A ``max_logits`` tree of ``-inf`` for every attention module of ``params``.
 
@@ -483,13 +441,13 @@ def init_max_logits(params: Any, layout: Any) -> dict:
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   by_module = {
       module: {name: jnp.shape(flat[i][1]) for name, i in index.items()}
-      for module, index in _by_module(flat).items()
+      for module, index in leaves_by_module(flat).items()
   }
   names, typed = names_by_path(params), storage_axes(params)
   tree: dict[str, jax.Array] = {}
-  for module, lay in _attention_modules(by_module, layout, "init_max_logits").items():
-    found = detect(module, lay, by_module[module], caller="init_max_logits", names=_names_under(module, names),
-                   typed=_names_under(module, typed))
+  for module, lay in attention_modules(by_module, layout, "init_max_logits").items():
+    found = detect(module, lay, by_module[module], caller="init_max_logits", names=names_under(module, names),
+                   typed=names_under(module, typed))
     stack = found[0].stack
     tree[module] = jnp.full((*stack, lay.num_heads), -jnp.inf, jnp.float32)
   if isinstance(params, Mapping) and "params" in params and all(

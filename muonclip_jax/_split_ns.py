@@ -44,9 +44,9 @@ def resolve(ns_kwargs: dict, m: int, n: int) -> dict | None:
   method = ns_kwargs.get("method", "standard")
   normalize, restarts = nsm.resolve_options(coeffs, steps, method, ns_kwargs.get("normalize"),
                                             ns_kwargs.get("restarts", ()))
-  if restarts:
-    return None
   gram = method == "gram" or (method == "auto" and n >= nsm.GRAM_ASPECT * m)
+  if restarts or (gram and nsm.gram_restarts(coeffs, steps, restarts)):
+    return None
   return dict(steps=steps, table=table, norm_scale=norm_scale, schatten4=normalize == "schatten4", gram=gram,
               eps=ns_kwargs.get("eps", 1e-7), compute_dtype=ns_kwargs.get("compute_dtype"))
 

@@ -133,8 +133,9 @@ def test_declared_shape_mismatch_names_path_axes_and_shape():
   params["attn"]["k"]["w"] = q.transpose(1, 0, 2)
   with pytest.raises(ValueError, match=r"attn/k/bias has shape \(6, 8\); expected \(4, 8\)"):
     qk_clip(params, {"attn": {"max_logits": _maxima(4)}}, qk_clip_threshold=2.0, layout=lay)
-  with pytest.raises(ValueError, match="attention_matrix_axes: declared axes"):
-    mc.attention_matrix_axes(lay)({"attn": {"q": {"w": q[0]}}})
+  with pytest.raises(ValueError, match=r"attention_matrix_axes: attn/q/w has shape \(6, 8\), which does not match "
+                                       r"its declared axes"):
+    mc.attention_matrix_axes(lay)({"attn": {"q": {"w": q[0]}, "k": {"w": q.transpose(1, 0, 2)}}})
 
 
 @pytest.mark.parametrize("kwargs, match", [

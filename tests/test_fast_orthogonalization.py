@@ -17,7 +17,8 @@ CUTOFF = 3e-3
 # (preset, dtype) -> band of output singular values (see newton_schulz's docstring), for
 # both methods, with each preset's own step count. Measured over _matrices():
 # muon [0.682, 1.197] f32, [0.665, 1.194] bf16; polar_express [0.859, 1.141] f32,
-# [0.820, 1.143] bf16; polar_express_4 [0.779, 1.200] f32, [0.794, 1.215] bf16.
+# [0.820, 1.143] bf16; polar_express_4 [0.779, 1.200] f32, [0.794, 1.215] bf16; deepseek_v4
+# [1.000, 1.002] f32 (Gram with its restart at step 5; without it 1e20).
 BANDS = {
     ("muon", jnp.float32): (0.66, 1.22),
     ("muon", jnp.bfloat16): (0.63, 1.22),
@@ -25,6 +26,7 @@ BANDS = {
     ("polar_express", jnp.bfloat16): (0.80, 1.16),
     ("polar_express_4", jnp.float32): (0.77, 1.21),
     ("polar_express_4", jnp.bfloat16): (0.76, 1.23),
+    ("deepseek_v4", jnp.float32): (0.99, 1.01),
 }
 
 

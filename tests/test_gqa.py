@@ -79,7 +79,7 @@ def test_param_tree_and_logical_axes(bias):
       assert shapes[name]["bias"] == (shape[1],) and tuple(specs[name]["bias"]) == axes[1:]
     else:
       assert "bias" not in shapes[name]
-  assert module.layout == GQALayout(4, 2, 8)
+  assert module.layout == GQALayout(4, 2, 8, value="wv", out="wo")
   assert mnn.GroupedQueryAttention(**GQA, clip_mode="query").layout.clip_mode == "query"
 
 

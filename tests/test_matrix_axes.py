@@ -101,8 +101,9 @@ def test_linen_logical_names_decide_the_matrices_and_vocab_goes_to_adamw():
   full, full_grads = params, grads
   params, grads = kernels(params), kernels(grads)
   named = mc.scale_by_muon(**KELLER)
-  explicit = mc.scale_by_muon(matrix_axes=mc.attention_matrix_axes(
-      mc.GQALayout(4, 4, 8, query="query", key="key"), default=mc.MatrixAxes((-2,), (-1,))), **KELLER)
+  explicit = mc.scale_by_muon(matrix_axes={"query": {"kernel": mc.MatrixAxes((-3,), (-2, -1))},
+                                           "out": {"kernel": mc.MatrixAxes((-3, -2), (-1,))},
+                                           "mlp": {"kernel": mc.MatrixAxes((-2,), (-1,))}}, **KELLER)
   want, _ = explicit.update(nn.unbox(grads), explicit.init(nn.unbox(params)))
   got, _ = named.update(grads, named.init(params))
   chex.assert_trees_all_equal(nn.unbox(got), want)
@@ -145,9 +146,10 @@ def test_undeclared_rank3_gives_both_hints():
 def test_attention_matrix_axes_for_every_form():
   lay = mc.GQALayout(4, 2, 8, query="query", key="key")
   params = {"attn": {"query": {"kernel": jnp.zeros((16, 4, 8)), "bias": jnp.zeros((4, 8))},
-                     "key": {"kernel": jnp.zeros((2, 16, 2, 8))},  # stacked
+                     "key": {"kernel": jnp.zeros((16, 2, 8))},
                      "value": {"kernel": jnp.zeros((16, 2, 8))},
                      "out": {"kernel": jnp.zeros((4, 8, 16))}},
+            "stacked": {"query": {"kernel": jnp.zeros((2, 16, 4, 8))}, "key": {"kernel": jnp.zeros((2, 16, 2, 8))}},
             "scanned_2d": {"query": {"kernel": jnp.zeros((3, 16, 32))}},  # (layers, in, H*D): not DenseGeneral
             "mlp": {"kernel": jnp.zeros((16, 64))}}
   got = mc.attention_matrix_axes(lay)(params)
@@ -155,6 +157,7 @@ def test_attention_matrix_axes_for_every_form():
   assert got["attn"]["key"]["kernel"] == mc.MatrixAxes((-3,), (-2, -1))
   assert got["attn"]["value"]["kernel"] == mc.MatrixAxes((-3,), (-2, -1))
   assert got["attn"]["out"]["kernel"] == mc.MatrixAxes((-3, -2), (-1,))
+  assert got["stacked"]["key"]["kernel"] == mc.MatrixAxes((-3,), (-2, -1))
   assert got["scanned_2d"]["query"]["kernel"] is None and got["mlp"]["kernel"] is None
   assert got["attn"]["query"]["bias"] is None
   stack = mc.MatrixAxes((-2,), (-1,))

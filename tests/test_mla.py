@@ -88,7 +88,7 @@ def test_param_tree_and_logical_axes(lora):
     leaf = "kernel" if name.startswith("w") else "scale"
     assert shapes[name] == {leaf: shape}, name
     assert tuple(specs[name][leaf]) == axes, name
-  assert module.layout == MLALayout(4, 8, 4, 6)
+  assert module.layout == MLALayout(4, 8, 4, 6, out="wo")
 
 
 def test_default_fields_are_deepseek_v3():

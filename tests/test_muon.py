@@ -329,6 +329,9 @@ def test_signatures_are_written_out_with_every_option_of_the_inner_optimizer(out
     if name == "learning_rate":
       continue
     assert name in params, (outer.__name__, name)
+    if outer is mc.muonclip and name == "layout":  # required there: the clip's and Muon's declaration
+      assert params[name].kind is p.KEYWORD_ONLY and params[name].default is p.empty
+      continue
     assert params[name].kind is p.KEYWORD_ONLY and params[name].default == p.default, (outer.__name__, name)
   extra = dict(layout=mc.MLALayout(2, 4, 4, 4)) if outer is mc.muonclip else {}
   with pytest.raises(TypeError, match=rf"{outer.__name__}\(\) got an unexpected keyword argument 'betta'"):
@@ -339,7 +342,8 @@ def test_signatures_are_written_out_with_every_option_of_the_inner_optimizer(out
 _MUON_OPTIONS = dict(beta=0.9, nesterov=False, ns_steps=3, ns_coeffs="muon", ns_method="gram",
                      ns_normalize="frobenius", ns_restarts=(1,), ns_batch=2, eps=1e-6, compute_dtype=jnp.bfloat16,
                      mu_dtype=jnp.bfloat16, rms_match="keller", rms_scale=0.3,
-                     matrix_axes=mc.MatrixAxes((-2,), (-1,)), shard_orthogonalization=object(), shard_split="never")
+                     matrix_axes=mc.MatrixAxes((-2,), (-1,)), layout=mc.MLALayout(2, 4, 4, 4), muon_blocks="part",
+                     shard_orthogonalization=object(), shard_split="never")
 
 
 def test_every_option_reaches_scale_by_muon(monkeypatch):
@@ -352,7 +356,7 @@ def test_every_option_reaches_scale_by_muon(monkeypatch):
       dict(zip(["beta"], a)) | kw) or optax.identity())
   mc.muon(LR, **_MUON_OPTIONS)
   mc.muon_adamw(LR, **_MUON_OPTIONS)
-  mc.muonclip(LR, layout=mc.MLALayout(2, 4, 4, 4), **_MUON_OPTIONS)
+  mc.muonclip(LR, **_MUON_OPTIONS)  # its layout is Muon's too
   assert seen == [_MUON_OPTIONS] * 3
 
 
@@ -364,7 +368,7 @@ def test_every_option_reaches_muon_adamw(monkeypatch):
   assert set(options) | {"learning_rate"} == set(inspect.signature(mc.muon_adamw).parameters)
   seen = []
   monkeypatch.setattr(muonclip_module, "muon_adamw", lambda lr, **kw: seen.append(kw) or optax.identity())
-  mc.muonclip(LR, layout=mc.MLALayout(2, 4, 4, 4), **options)
+  mc.muonclip(LR, **options)
   assert seen == [options]
 
 

@@ -118,9 +118,9 @@ def hf_recipe_check(monkeypatch, mod, hf_module, attention_cls, expected_fn, gro
   maxima = sown_by_layer(intermediates, cfg.num_heads)
   assert maxima.shape == (cfg.num_layers, cfg.num_heads) and len(store) == cfg.num_layers
   np.testing.assert_allclose(maxima, np.stack([np_hf_max_logits(*rec) for rec in store]), rtol=2e-5, atol=1e-7)
-  # 3. one muonclip step = muon_adamw + the per-head rule on the kernels' storage
+  # 3. one muonclip step = muon_adamw (the same layout: Muon's matrices) + the per-head rule on the kernels' storage
   tau = tau_between(maxima)
-  clip, plain = mod.optimizer(cfg, LR, tau), mc.muon_adamw(LR)
+  clip, plain = mod.optimizer(cfg, LR, tau), mc.muon_adamw(LR, layout=cfg.layout)
   u, _ = jax.jit(clip.update)(grads, clip.init(params), params, max_logits=intermediates)
   v, _ = jax.jit(plain.update)(grads, plain.init(params), params)
   p_clip, p_ref = optax.apply_updates(params, u), optax.apply_updates(params, v)
@@ -224,11 +224,10 @@ def test_recipe_gemma(variant):
   np.testing.assert_allclose(maxima, want, rtol=2e-5, atol=1e-6)
   if cfg.soft_cap is not None:
     assert (maxima > cfg.soft_cap).any()  # what a capture after the cap could never report
-  # 3. one muonclip step = muon_adamw (same matrices) + the per-head rule on this storage
+  # 3. one muonclip step = muon_adamw (the same layout: Muon's matrices) + the per-head rule on this storage
   tau = tau_between(maxima)
   clip = mod.optimizer(cfg, LR, tau)
-  out = mc.Projection("attn_vec_einsum", leaf="w", axes=("in", "in", "out"))
-  plain = mc.muon_adamw(LR, matrix_axes=mc.attention_matrix_axes(cfg.layout, out=out))
+  plain = mc.muon_adamw(LR, layout=cfg.layout)
   u, _ = jax.jit(clip.update)(grads, clip.init(params), params, max_logits=intermediates)
   v, _ = jax.jit(plain.update)(grads, plain.init(params), params)
   p_clip, p_ref = optax.apply_updates(params, u), optax.apply_updates(params, v)

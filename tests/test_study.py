@@ -15,7 +15,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import stability_study  # noqa: E402
 from mla_lm import LMConfig, init_params, make_loss_fn  # noqa: E402
 
-ARMS = ("adamw", "muon", "muonclip", "muonclip-exact", "muon-gqa", "muon-qknorm", "muonclip-tau3")
+ARMS = ("adamw", "muon", "muonclip", "muonclip-exact", "muon-per-head", "muonclip-per-head", "muon-gqa",
+        "muon-qknorm", "muonclip-tau3")
 TINY = ["--steps", "2", "--seeds", "1", "--taus", "5,3", "--batch", "4", "--seq", "32", "--eval-every", "1"]
 
 
@@ -38,10 +39,12 @@ def test_tiny_run_writes_a_row_for_every_arm_and_the_pictures(tiny_study):
   rows = _rows(text)
   for name in ARMS:
     cells = [c.strip() for c in rows[name].split("|")[1:-1]]
-    assert len(cells) == 10
+    assert len(cells) == 11
     mean, std = (float(v) for v in cells[4].split(" ± "))
     assert math.isfinite(mean) and std == 0.0  # one seed
-    assert math.isfinite(float(cells[6])) and cells[8].endswith("%") and float(cells[9]) > 0
+    assert math.isfinite(float(cells[6])) and cells[8].endswith("%") and float(cells[10]) > 0
+    if name == "adamw" or "clip" not in name:  # the per-head update-RMS spread of every Muon step without a clip
+      assert (cells[9] == "-") == (name == "adamw"), (name, cells[9])
   assert "| muonclip-tau3 | MLA | Algorithm 1 | 3 |" in text
   assert "| muon-qknorm | GQA + QK-Norm | none | 5 |" in text
   assert "## Tau ablation" in text
@@ -65,6 +68,12 @@ def test_every_run_logs_per_head_maxima_and_arms_share_init_and_batches(tiny_stu
       np.testing.assert_allclose(per_head.max(-1), r["max_logit_per_layer"]["layers/attn"])
       assert r["max_logit"] == pytest.approx(per_head.max())
     first[name] = recs[0]["loss"]
+    if name != "adamw":  # step 1 has learning rate 0 (warm-up): no update to measure
+      assert recs[0]["update_rms_spread"] is None
+  # Per head, every block's update has the RMS 0.2 to the Newton–Schulz band: at most 1.2 / 0.78 apart.
+  spread = {n: json.loads((out / n / "seed0" / "metrics.jsonl").read_text().splitlines()[1])["update_rms_spread"]
+            for n in ("muon", "muon-per-head")}
+  assert 1.0 <= spread["muon-per-head"] < 1.6 and spread["muon"] >= 1.0, spread
   # Step 1's loss is the forward pass of the initial params on the first batch: the same in
   # every MLA arm (same seed), different for the GQA models.
   mla = {first[n] for n in ARMS if "gqa" not in n and "qknorm" not in n}

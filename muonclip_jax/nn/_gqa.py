@@ -35,7 +35,7 @@ def validate_gqa(
   check_bool(f"{name}: use_rope", use_rope)
   check_bool(f"{name}: qkv_bias", qkv_bias)
   try:
-    layout = GQALayout(num_heads, num_kv_heads, head_dim, clip_mode=clip_mode)
+    layout = GQALayout(num_heads, num_kv_heads, head_dim, clip_mode=clip_mode, value="wv", out="wo")
   except ValueError as e:
     raise ValueError(f"{name}: {e}") from None
   if use_rope and head_dim % 2:
@@ -133,8 +133,10 @@ class GroupedQueryAttention(nn.Module):
 
   @property
   def layout(self) -> GQALayout:
-    """The ``GQALayout`` to hand to ``muonclip_jax.qk_clip``."""
-    return GQALayout(self.num_heads, self.num_kv_heads, self.head_dim, clip_mode=self.clip_mode)
+    """The ``GQALayout`` to hand to ``muonclip_jax.qk_clip`` and ``muonclip`` (projections ``wq``, ``wk``,
+    ``wv``, ``wo``)."""
+    return GQALayout(self.num_heads, self.num_kv_heads, self.head_dim, clip_mode=self.clip_mode, value="wv",
+                     out="wo")
 
   @property
   def softmax_scale(self) -> float:

@@ -42,7 +42,7 @@ def validate_mla(name: str, *, num_heads, q_lora_rank, kv_lora_rank, qk_nope_hea
   check_positive_int(f"{name}: q_lora_rank", q_lora_rank, allow_zero=True)
   check_positive_int(f"{name}: kv_lora_rank", kv_lora_rank)
   try:
-    layout = MLALayout(num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+    layout = MLALayout(num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, out="wo")
   except ValueError as e:
     raise ValueError(f"{name}: {e}") from None
   if qk_rope_head_dim % 2:
@@ -190,8 +190,8 @@ class MultiHeadLatentAttention(nn.Module):
 
   @property
   def layout(self) -> MLALayout:
-    """The ``MLALayout`` to hand to ``muonclip_jax.qk_clip``."""
-    return MLALayout(self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+    """The ``MLALayout`` to hand to ``muonclip_jax.qk_clip`` and ``muonclip`` (output projection ``wo``)."""
+    return MLALayout(self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, out="wo")
 
   @property
   def softmax_scale(self) -> float:
