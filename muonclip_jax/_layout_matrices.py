@@ -25,6 +25,7 @@ import optax
 
 from ._attention_modules import attention_modules, leaves_by_module, names_under
 from ._boxes import names_by_path
+from ._equinox import storage_axes
 from ._layouts import GQALayout, MLALayout, check_layout
 from ._matrix_axes import MatrixAxes, MatrixAxesSpec
 from ._muon_blocks import MODES, Blocks, blocks_for, whole
