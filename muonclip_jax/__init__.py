@@ -13,7 +13,6 @@ from ._muonclip import QKClipState as QKClipState
 from ._muonclip import muonclip as muonclip
 from ._muonclip import qk_clip_transform as qk_clip_transform
 from ._newton_schulz import newton_schulz as newton_schulz
-from ._qk_clip import clip_factors as clip_factors
 from ._qk_clip import init_max_logits as init_max_logits
 from ._qk_clip import qk_clip as qk_clip
 from ._qk_clip import qk_clip_stats as qk_clip_stats

@@ -17,18 +17,17 @@ import jax
 
 from ._boxes import MetadataMemo, has_boxes, is_box, leaf_shape, logical_names
 from ._equinox import EMBEDDING, MATRIX, leaf_roles
+from ._logical_axes import LAYER_NAMES, VOCAB
 from ._paths import path_str
 
 MUON = "muon"
 ADAM = "adam"
-VOCAB = "vocab"  # the logical axis name of an embedding table's or output head's vocabulary
 
 # Path components (lower-cased) that mark an embedding table or an output head.
 _EMBEDDING_WORDS = ("embed", "wte", "wpe")
 _HEAD_NAMES = frozenset({"lm_head", "head", "unembed", "output", "output_head", "output_layer", "logits",
                          "logits_dense", "classifier"})
 _VECTOR_LEAF_NAMES = frozenset({"bias", "scale", "embedding"})
-LAYERS = "layers"  # the logical axis name of a stack of layers
 STACKED_VECTOR = "stacked vector"  # the role of a rank-2 leaf that a stack shows to be one vector per layer
 
 
@@ -131,7 +130,7 @@ def default_label(path: str, shape: tuple[int, ...], names: tuple | None = None,
     return ADAM
   if any(w in p for p in parts for w in _EMBEDDING_WORDS) or any(p in _HEAD_NAMES for p in parts):
     return ADAM
-  if names is not None and (VOCAB in names or sum(n != LAYERS for n in names) < 2):
+  if names is not None and (VOCAB in names or sum(n not in LAYER_NAMES for n in names) < 2):
     return ADAM
   if (len(shape) == 2 and names is None and not _in_numbered_layer(parts)
       and any(shape in ((v, w), (w, v)) for v, w in vocab)):

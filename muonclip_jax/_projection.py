@@ -21,19 +21,12 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from ._logical_axes import LOGICAL_AXES
 from ._matrix_axes import MatrixAxes
 
 AXES = ("layers", "in", "heads", "head_dim", "out", "parts")
 PARTS = ("q", "k", "v")
 
-# Logical axis names (Flax / MaxText) recognized for each declared axis, by role.
-LOGICAL_AXES: dict[str, frozenset[str]] = {
-    "layers": frozenset({"layers", "stage"}),
-    "heads": frozenset({"heads", "q_heads", "kv_heads"}),
-    "head_dim": frozenset({"kv", "head_dim", "qk_head_dim", "kv_head_dim", "v_head_dim", "qkv_head_dim"}),
-    "parts": frozenset({"qkv", "kv_parts", "parts"}),
-    "in": frozenset({"embed", "q_lora", "kv_lora", "embed_no_exp", "hidden", "model"}),
-}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -132,32 +132,6 @@ def no_clip_decisions(max_logits: Mapping[str, jax.Array]) -> tuple[dict[str, ja
           {m: jnp.ones(jnp.shape(s), jnp.float32) for m, s in max_logits.items()})
 
 
-def clip_factors(max_logits: jax.Array, qk_clip_threshold: Any) -> jax.Array:
-  """QK-Clip factors gamma_h = min(1, tau / S_max^h) (Kimi K2, section 2.1, Algorithm 1).
-
-  Args:
-    max_logits: per-head maxima S_max of shape ``(..., num_heads)``.
-    qk_clip_threshold: tau > 0. None or +inf means no clip (all ones); a traced value is
-      accepted.
-
-  Returns:
-    float32 array of ``max_logits``' shape with values in (0, 1]; 1 where S_max <= tau, and
-    where S_max is non-finite or <= 0 (such a head is left as it is).
-
-  Example:
-    >>> import jax.numpy as jnp, muonclip_jax as mc
-    >>> mc.clip_factors(jnp.array([400.0, 100.0, 50.0, jnp.nan]), qk_clip_threshold=100.0)
-    Array([0.25, 1.  , 1.  , 1.  ], dtype=float32)
-    >>> mc.clip_factors(jnp.array([400.0, 50.0]), qk_clip_threshold=None)  # clip off
-    Array([1., 1.], dtype=float32)
-  """
-  tau = _resolve_threshold(qk_clip_threshold)
-  s = jnp.asarray(max_logits, jnp.float32)
-  if tau is None:
-    return jnp.ones(s.shape, jnp.float32)
-  return _gamma(s, tau)[1]
-
-
 def _per_head(*parts: tuple[jax.Array, int]) -> jax.Array:
   """Per-head factors (..., H) repeated over each head's column segments -> (..., H, sum(w))."""
   segments = [jnp.broadcast_to(f[..., None], (*f.shape, w)) for f, w in parts if w]
@@ -358,16 +332,23 @@ def _check_all_reported(by_module: Mapping[str, Mapping[str, int]], leaves: list
 
 
 def qk_clip_stats(max_logits: Any, *, qk_clip_threshold: Any) -> dict[str, dict[str, jax.Array]]:
-  """Per-module QK-Clip statistics for logging (Kimi K2, section 2.1); runs inside jit.
+  """What QK-Clip does with these maxima, per module and per head (Kimi K2, section 2.1).
+
+  The library's one report on the clip: the factors ``gamma_h = min(1, tau / S_max^h)``
+  that ``qk_clip`` applies and the counts to log; pure arrays, so it runs inside jit. It
+  takes the ``max_logits`` tree that ``qk_clip`` and ``muonclip`` take (the
+  ``intermediates`` collection); the train step's metrics (``make_train_step``) are built
+  from it.
 
   Args:
     max_logits: as for ``qk_clip``.
     qk_clip_threshold: as for ``qk_clip`` (None or +inf: nothing is clipped).
 
   Returns:
-    ``{module path: stats}`` with, for maxima of shape ``(*stack, H)``, arrays of shape
-    ``stack`` (``()`` for one layer, ``(L,)`` for ``nn.scan``-stacked layers):
-    ``num_clipped`` (int32, heads ``qk_clip`` scales: finite S_max > tau),
+    ``{module path: stats}`` with, for maxima of shape ``(*stack, H)``, ``gamma`` (float32,
+    ``(*stack, H)``: each head's factor, in (0, 1]; 1 where S_max <= tau, where S_max is
+    non-finite or <= 0, and everywhere when the clip is off) and arrays of shape ``stack``
+    (``()`` for one layer, ``(L,)`` for ``nn.scan``-stacked layers): ``num_clipped`` (int32, heads ``qk_clip`` scales: finite S_max > tau),
     ``num_above_threshold`` (int32, heads with S_max > tau, +inf included: it is above any
     tau, but ``qk_clip`` skips it, see its "Non-finite maxima"; 0 when the clip is off),
     ``min_gamma`` (float32, min_h gamma_h; 1.0 when nothing is clipped), ``max_logit``
@@ -384,6 +365,9 @@ def qk_clip_stats(max_logits: Any, *, qk_clip_threshold: Any) -> dict[str, dict[
     ['layers/attn']
     >>> stats["layers/attn"]["num_clipped"], stats["layers/attn"]["min_gamma"]  # per layer
     (Array([1, 1], dtype=int32), Array([0.25, 0.5 ], dtype=float32))
+    >>> stats["layers/attn"]["gamma"]  # per head: tau / S_max above tau, 1 elsewhere
+    Array([[0.25, 1.  ],
+           [0.5 , 1.  ]], dtype=float32)
     >>> inf = mc.qk_clip_stats({"attn": {"max_logits": jnp.array([jnp.inf, 400.0])}}, qk_clip_threshold=100.0)
     >>> [int(inf["attn"][k]) for k in ("num_above_threshold", "num_clipped", "num_nonfinite")]  # +inf: skipped
     [2, 1, 1]
@@ -398,6 +382,7 @@ def qk_clip_stats(max_logits: Any, *, qk_clip_threshold: Any) -> dict[str, dict[
       clipped, gamma = _gamma(s, tau)
       above = (s > tau) & (tau > 0)  # NaN is not above; +inf is (and is not clipped)
     stats[module] = {
+        "gamma": gamma,
         "num_clipped": jnp.sum(clipped, axis=-1, dtype=jnp.int32),
         "num_above_threshold": jnp.sum(above, axis=-1, dtype=jnp.int32),
         "min_gamma": jnp.min(gamma, axis=-1),

@@ -15,15 +15,13 @@ import optax
 
 from ._boxes import is_box, leaf_shape, logical_names, names_by_path
 from ._equinox import storage_axes
+from ._logical_axes import HEAD_AXIS_NAMES, LAYER_NAMES
 from ._matrix_axes import MatrixAxes, MatrixAxesSpec
 from ._paths import path_str
 from ._projection import declared_matrix_axes
 
 # Logical axis names (Flax's nn.with_logical_partitioning, NNX sharding metadata).
-LAYERS = "layers"  # a stack of layers (nn.scan with metadata_params={nn.PARTITION_NAME: "layers"})
-# Names of axes that belong to the heads of an attention projection; they stay together.
-_HEAD_AXIS_NAMES = frozenset({"heads", "q_heads", "kv_heads", "kv", "head_dim", "qk_head_dim", "v_head_dim",
-                              "kv_head_dim"})
+LAYERS = "layers"  # the name the hints suggest for a stacked-layer axis
 
 
 def _is_dim_numbers(x: Any) -> bool:
@@ -61,15 +59,15 @@ def axes_from_names(path: str, shape: tuple[int, ...], names: tuple) -> MatrixAx
   """
   if len(names) != len(shape):
     raise ValueError(f"{path}: logical axis names {names} do not match the shape {shape}")
-  rest = [a for a, n in enumerate(names) if n != LAYERS]
+  rest = [a for a, n in enumerate(names) if n not in LAYER_NAMES]
   fail = (f"{path}: cannot tell the matrix of a parameter of shape {shape} from its logical axis names "
-          f"{names}: expected two non-'{LAYERS}' axes, or a group of head axes {sorted(_HEAD_AXIS_NAMES)} "
+          f"{names}: expected two non-'{LAYERS}' axes, or a group of head axes {sorted(HEAD_AXIS_NAMES)} "
           "before or after the other axes; pass matrix_axes=MatrixAxes(fan_in=..., fan_out=...) for it")
   if len(rest) < 2 or any(names[a] is None for a in rest):
     raise ValueError(fail)
   if len(rest) == 2:
     return MatrixAxes((rest[0],), (rest[1],))
-  is_head = [names[a] in _HEAD_AXIS_NAMES for a in rest]
+  is_head = [names[a] in HEAD_AXIS_NAMES for a in rest]
   splits = [i for i in range(1, len(rest))
             if len(set(is_head[:i])) == 1 and len(set(is_head[i:])) == 1 and is_head[0] != is_head[i]]
   if len(splits) != 1:
@@ -104,7 +102,7 @@ def logical_matrix_axes(params: Any) -> Any:
 
   def axes(p, x):
     names = logical_names(x) if is_box(x) else None
-    if names is None or sum(n != LAYERS for n in names) < 2:  # a vector (norm scale, bias), stacked or not
+    if names is None or sum(n not in LAYER_NAMES for n in names) < 2:  # a vector (norm scale, bias), stacked or not
       return None
     if len(names) == 2 and None in names:  # a 2-D matrix with a short or partial spec: (in, out)
       return None
@@ -135,7 +133,7 @@ def _check_batch_names(path: str, shape: tuple[int, ...], names: tuple, axes: Ma
   if len(names) != len(shape):
     raise ValueError(f"{path}: logical axis names {names} do not match the shape {shape}")
   batch, fi, fo = axes.resolve(path, shape)
-  bad = tuple(a for a in batch if names[a] not in (LAYERS, None))
+  bad = tuple(a for a in batch if names[a] is not None and names[a] not in LAYER_NAMES)
   if not bad:
     return
   try:

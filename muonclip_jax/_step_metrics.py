@@ -54,17 +54,8 @@ def clip_metrics(maxima: dict[str, jax.Array], qk_clip_threshold: Any) -> dict[s
   scaled them: +inf counts, being above any tau, though ``qk_clip`` leaves such a head as
   it is, see its "Non-finite maxima"; NaN does not; 0 when tau is None). What was clipped
   is ``applied_clip_metrics``: ``num_above_threshold`` above ``num_clipped`` after a step
-  of a clipping optimizer shows a head the clip could not scale.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from muonclip_jax import training
-    >>> maxima = {"layers_0/attn": jnp.array([120.0, 30.0]), "layers_1/attn": jnp.array([80.0, 90.0])}
-    >>> m = training.clip_metrics(maxima, 100.0)
-    >>> float(m["max_logit"]), int(m["num_above_threshold"])
-    (120.0, 1)
-    >>> {k: float(v) for k, v in m["max_logit_per_layer"].items()}
-    {'layers_0/attn': 120.0, 'layers_1/attn': 90.0}
+  of a clipping optimizer shows a head the clip could not scale. Read from
+  ``qk_clip_stats``, the public report.
   """
   stats = qk_clip_stats(nest_max_logits(maxima), qk_clip_threshold=qk_clip_threshold)
   return {
@@ -109,14 +100,6 @@ def applied_clip_metrics(scaled: dict[str, jax.Array], gamma: dict[str, jax.Arra
   optimizer's clip and every pass of the exact clip). ``num_clipped`` counts the scaled
   heads, ``clipped_fraction`` divides by all heads (Kimi K2 reports 12.7% of heads
   triggering in K2's first 70k steps), ``min_gamma`` is the smallest product (1.0: none).
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from muonclip_jax import training
-    >>> scaled = {"attn": jnp.array([True, False, False, False])}
-    >>> gamma = {"attn": jnp.array([0.5, 1.0, 1.0, 1.0])}
-    >>> {k: float(v) for k, v in training.applied_clip_metrics(scaled, gamma).items()}
-    {'num_clipped': 1.0, 'clipped_fraction': 0.25, 'min_gamma': 0.5}
   """
   num_clipped = sum(jnp.sum(v, dtype=jnp.int32) for v in scaled.values())
   num_heads = sum(math.prod(v.shape) for v in scaled.values())

@@ -30,7 +30,7 @@ from ._state_checks import check_opt_state
 from ._step_metrics import (applied_clip_metrics, clip_metrics, metrics_to_floats, optimizer_clip,
                             optimizer_clip_metrics, step_threshold, threshold_metrics)
 
-__all__ = ["applied_clip_metrics", "clip_metrics", "exact_qk_clip", "make_train_step", "metrics_to_floats"]
+__all__ = ["exact_qk_clip", "make_train_step", "metrics_to_floats"]
 
 
 def _apply_optimizer(optimizer: optax.GradientTransformationExtraArgs, params: Any, opt_state: Any, grads: Any,

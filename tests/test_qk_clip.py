@@ -272,12 +272,11 @@ def test_no_threshold_returns_params_unchanged(threshold):
   assert qk_clip(params, None, qk_clip_threshold=threshold, layout=lay) is params  # maxima not read
 
 
-def test_clip_factors():
+def test_per_head_factors_in_the_report():
   s = jnp.array([[1.0, 4.0, jnp.nan, -1.0], [8.0, 2.0, jnp.inf, 0.0]])
-  chex.assert_trees_all_close(
-      mc.clip_factors(s, 2.0), jnp.array([[1.0, 0.5, 1.0, 1.0], [0.25, 1.0, 1.0, 1.0]])
-  )
-  chex.assert_trees_all_equal(mc.clip_factors(s, None), jnp.ones((2, 4)))
+  gamma = lambda tau: qk_clip_stats({"attn": {"max_logits": s}}, qk_clip_threshold=tau)["attn"]["gamma"]
+  chex.assert_trees_all_close(gamma(2.0), jnp.array([[1.0, 0.5, 1.0, 1.0], [0.25, 1.0, 1.0, 1.0]]))
+  chex.assert_trees_all_equal(gamma(None), jnp.ones((2, 4)))
 
 
 # ----------------------------------------------------------------------------- jit, tracing
@@ -328,7 +327,9 @@ def test_stats():
   chex.assert_trees_all_close(st_["min_gamma"], jnp.array([0.5, 2.5 / 200]))
   assert np.isnan(st_["max_logit"][0]) and st_["max_logit"][1] == 200.0
   assert st_["min_gamma"].dtype == jnp.float32 and st_["max_logit"].dtype == jnp.float32
-  chex.assert_shape(list(stats["head"].values()), ())
+  chex.assert_shape([v for k, v in stats["head"].items() if k != "gamma"], ())
+  chex.assert_shape(stats["head"]["gamma"], (4,))  # per head
+  chex.assert_trees_all_close(st_["gamma"], jnp.array([[1.0, 0.5, 1.0, 1.0], [1.0, 1.0, 1.0, 2.5 / 200]]))
   off = qk_clip_stats(ml, qk_clip_threshold=None)["layers/attn"]
   chex.assert_trees_all_equal((off["num_clipped"], off["min_gamma"]), (jnp.zeros(2, jnp.int32), jnp.ones(2)))
 
