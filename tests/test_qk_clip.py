@@ -329,7 +329,7 @@ def test_stats():
   assert st_["min_gamma"].dtype == jnp.float32 and st_["max_logit"].dtype == jnp.float32
   chex.assert_shape([v for k, v in stats["head"].items() if k != "gamma"], ())
   chex.assert_shape(stats["head"]["gamma"], (4,))  # per head
-  chex.assert_trees_all_close(st_["gamma"], jnp.array([[1.0, 0.5, 1.0, 1.0], [1.0, 1.0, 1.0, 2.5 / 200]]))
+  chex.assert_trees_all_close(st_["gamma"], jnp.array([[1.0, 0.5, 1.0, 2.5 / 3], [1.0, 1.0, 1.0, 2.5 / 200]]))
   off = qk_clip_stats(ml, qk_clip_threshold=None)["layers/attn"]
   chex.assert_trees_all_equal((off["num_clipped"], off["min_gamma"]), (jnp.zeros(2, jnp.int32), jnp.ones(2)))
 
