@@ -137,7 +137,7 @@ def muon_adamw(
 
   Routing (Moonlight, arXiv 2502.16982, section 2.2: embeddings, the output head and
   vectors use AdamW) is ``labels``: ``None`` for ``muon_labels`` (by path, shape and logical
-  names, every rule listed in ``muonclip_jax._labels.default_label``; embedding tables and LM
+  names, every rule listed in its docstring; embedding tables and LM
   heads never go to Muon, unlike ``optax.contrib.muon``), a pytree of ``"muon"``/``"adam"``
   with the structure of the params, or a callable from the params to such a tree. A callable
   is called on the boxed params at ``init`` and its labels reused at ``update`` for the bare

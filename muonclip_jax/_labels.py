@@ -77,51 +77,9 @@ def default_label(path: str, shape: tuple[int, ...], names: tuple | None = None,
                   vocab: frozenset[tuple[int, int]] = frozenset(), role: str | None = None) -> str:
   """``"muon"`` for a hidden weight matrix, ``"adam"`` for everything else.
 
-  The rules, in order; the first that applies decides:
-
-  1. rank < 2 (biases, norm scales, any vector): AdamW.
-  2. ``role``, what the type of the layer that owns the leaf says it is (Equinox:
-     ``muonclip_jax._equinox``): a bias (``Linear.bias``), a norm's gain (``LayerNorm``,
-     ``RMSNorm``, ``GroupNorm``, ``BatchNorm``) or an embedding table (``Embedding``):
-     AdamW, stacked or not (``eqx.filter_vmap`` makes a gain ``(layers, dim)``). A matrix
-     (``Linear.weight``) goes on to rules 5-8 (an output head is a ``Linear`` too).
-  3. a leaf named ``bias``, ``scale`` or ``embedding`` (Flax's norm scales, stacked or not,
-     and ``nn.Embed``/``nnx.Embed`` tables): AdamW.
-  4. a path component naming a norm: containing ``norm`` (``input_layernorm``,
-     ``LayerNorm_0``, ``q_norm``) or GPT-2's ``ln``, ``ln_1``, ``ln_f``: AdamW (a norm holds
-     gains, stacked or not, whatever its leaves are named).
-  5. a path component containing ``embed``, ``wte`` or ``wpe`` (embedding tables under any
-     leaf name): AdamW.
-  6. a path component named ``lm_head``, ``head``, ``unembed``, ``output``, ``output_head``,
-     ``output_layer``, ``logits``, ``logits_dense`` or ``classifier`` (output heads; MaxText's
-     is ``logits_dense``): AdamW. Whole components only: ``heads`` is not ``head``.
-  7. logical axis names (``names``; Linen boxes, NNX ``sharding`` metadata, short specs
-     padded with None as Flax pads them) with a ``"vocab"`` axis, or with fewer than two
-     axes not named ``"layers"`` (a vector per layer of a stack): AdamW.
-  8. a 2-D leaf of shape ``(width, vocabulary)`` or ``(vocabulary, width)`` of one of the
-     tree's token-embedding tables (``vocab``, from ``vocab_sizes``): an output head under a
-     name rule 6 does not know: AdamW. Not applied to a leaf with logical names (rule 7
-     decides those: names without ``"vocab"`` say it is no head), nor inside a numbered layer
-     (a path component such as ``0``, ``layers_3`` or ``h_1``: heads sit outside the layer
-     stack), so an MLP whose hidden size happens to equal the vocabulary stays with Muon.
-     Outside those, a hidden matrix of that shape goes to AdamW too: pass ``labels``.
-  9. ``role`` ``STACKED_VECTOR``: a 2-D leaf without logical names or a known layer type
-     that its stack shows to be one vector per layer (``stacked_vectors``: the largest
-     sub-tree above it whose leaves all share its leading size and all have rank >= 2
-     holds a leaf of rank >= 3, a stacked matrix): AdamW. This covers ``nn.scan`` without
-     logical names, ``eqx.filter_vmap`` stacks of layers of unknown types and hand-made
-     stacks.
-  10. everything else of rank >= 2: Muon (stacked layers and DenseGeneral kernels included;
-      which axes form the matrix is ``matrix_axes``'s business). So a ``(layers, dim)``
-      vector that nothing shows to be stacked, i.e. no leaf name, norm name, logical names,
-      layer type or stacked sibling (rules 2-4, 7, 9; e.g. a lone stacked leaf, or one
-      whose stack also holds a vector per layer of rank 1, a stacked scalar), is read as a
-      matrix: pass ``labels`` for it.
-
-  ``muon_labels`` applies these to a whole tree, and ``muon_adamw`` reads a boxed tree's
-  labels once, at ``init``, and reuses them at ``update`` for the bare arrays of the same
-  paths and shapes (``nnx.Optimizer`` hands ``init`` boxed ``nnx.Param`` values and
-  ``update`` bare arrays, so names-based rules would otherwise differ between the two).
+  The rules, in order, are listed in ``muon_labels``' docstring (``role`` is what the type
+  of the layer that owns the leaf says, rules 2 and 9; ``vocab`` the tree's embedding tables,
+  rule 8).
   """
   parts = [p.lower() for p in path.split("/") if p]
   if len(shape) < 2 or role not in (None, MATRIX, STACKED_VECTOR):
@@ -180,7 +138,53 @@ def stacked_vectors(params: Any) -> frozenset[str]:
 
 
 def muon_labels(params: Any) -> Any:
-  """The default routing: a tree of ``"muon"``/``"adam"`` labels (rules: ``default_label``).
+  """The default routing: a tree of ``"muon"``/``"adam"`` labels.
+
+  The rules, in order; the first that applies decides:
+
+  1. rank < 2 (biases, norm scales, any vector): AdamW.
+  2. what the type of the layer that owns the leaf says it is (Equinox): a bias
+     (``Linear.bias``), a norm's gain (``LayerNorm``, ``RMSNorm``, ``GroupNorm``,
+     ``BatchNorm``) or an embedding table (``Embedding``):
+     AdamW, stacked or not (``eqx.filter_vmap`` makes a gain ``(layers, dim)``). A matrix
+     (``Linear.weight``) goes on to rules 5-8 (an output head is a ``Linear`` too).
+  3. a leaf named ``bias``, ``scale`` or ``embedding`` (Flax's norm scales, stacked or not,
+     and ``nn.Embed``/``nnx.Embed`` tables): AdamW.
+  4. a path component naming a norm: containing ``norm`` (``input_layernorm``,
+     ``LayerNorm_0``, ``q_norm``) or GPT-2's ``ln``, ``ln_1``, ``ln_f``: AdamW (a norm holds
+     gains, stacked or not, whatever its leaves are named).
+  5. a path component containing ``embed``, ``wte`` or ``wpe`` (embedding tables under any
+     leaf name): AdamW.
+  6. a path component named ``lm_head``, ``head``, ``unembed``, ``output``, ``output_head``,
+     ``output_layer``, ``logits``, ``logits_dense`` or ``classifier`` (output heads; MaxText's
+     is ``logits_dense``): AdamW. Whole components only: ``heads`` is not ``head``.
+  7. logical axis names (``names``; Linen boxes, NNX ``sharding`` metadata, short specs
+     padded with None as Flax pads them) with a ``"vocab"`` axis, or with fewer than two
+     axes not named ``"layers"`` (a vector per layer of a stack): AdamW.
+  8. a 2-D leaf of shape ``(width, vocabulary)`` or ``(vocabulary, width)`` of one of the
+     tree's token-embedding tables (``vocab``, from ``vocab_sizes``): an output head under a
+     name rule 6 does not know: AdamW. Not applied to a leaf with logical names (rule 7
+     decides those: names without ``"vocab"`` say it is no head), nor inside a numbered layer
+     (a path component such as ``0``, ``layers_3`` or ``h_1``: heads sit outside the layer
+     stack), so an MLP whose hidden size happens to equal the vocabulary stays with Muon.
+     Outside those, a hidden matrix of that shape goes to AdamW too: pass ``labels``.
+  9. ``role`` ``STACKED_VECTOR``: a 2-D leaf without logical names or a known layer type
+     that its stack shows to be one vector per layer (``stacked_vectors``: the largest
+     sub-tree above it whose leaves all share its leading size and all have rank >= 2
+     holds a leaf of rank >= 3, a stacked matrix): AdamW. This covers ``nn.scan`` without
+     logical names, ``eqx.filter_vmap`` stacks of layers of unknown types and hand-made
+     stacks.
+  10. everything else of rank >= 2: Muon (stacked layers and DenseGeneral kernels included;
+      which axes form the matrix is ``matrix_axes``'s business). So a ``(layers, dim)``
+      vector that nothing shows to be stacked, i.e. no leaf name, norm name, logical names,
+      layer type or stacked sibling (rules 2-4, 7, 9; e.g. a lone stacked leaf, or one
+      whose stack also holds a vector per layer of rank 1, a stacked scalar), is read as a
+      matrix: pass ``labels`` for it.
+
+  This applies them to every leaf of a tree, and ``muon_adamw`` reads a boxed tree's
+  labels once, at ``init``, and reuses them at ``update`` for the bare arrays of the same
+  paths and shapes (``nnx.Optimizer`` hands ``init`` boxed ``nnx.Param`` values and
+  ``update`` bare arrays, so names-based rules would otherwise differ between the two).
 
   For an Equinox model (``eqx.filter(model, eqx.is_array)``) the labels are a tree of the
   model's own structure, and each leaf's role is read from its layer's type: ``Linear``

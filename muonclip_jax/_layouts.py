@@ -190,7 +190,7 @@ class GQALayout:
   Flax's ``normalize_qk=True`` with norms ``query_ln``/``key_ln``), ``query_norm`` and
   ``key_norm`` name the norms, and the clip acts on their scales (and biases) instead of
   the kernels, per head where the scale is per head and per layer (weaker) where it is
-  shared by heads; see ``muonclip_jax._qk_norm`` for the reasoning. ``norm_scale_offset``:
+  shared by heads; see ``docs/your-model.md`` ("QK-norm") for the reasoning. ``norm_scale_offset``:
   0.0 (default) for norms computing ``x * scale`` (Flax, Qwen3, OLMo 2, Gemma 4), 1.0 for
   ``x * (1 + scale)`` (Gemma 2 and Gemma 3's RMSNorm); the wrong one makes the clip miss
   tau (Gemma 4 with 1.0 over-clips). A module with an undeclared norm of a

@@ -220,7 +220,7 @@ def scale_by_muon(
       holds its query/key projections, the query, key, value and output kernels get their
       matrix from it (``"layers"`` axes batched, whatever the storage: 2-D head-major,
       DenseGeneral, heads-first einsums, torch-style ``(out, in)``, fused q|k|v, declared
-      ``Projection(axes=...)`` or logical names; ``muonclip_jax._layout_matrices``).
+      ``Projection(axes=...)`` or logical names).
       ``muonclip`` passes its own.
     muon_blocks: static; how finely the layout's kernels are orthogonalized:
       ``"matrix"`` (default; Kimi K2, Moonlight): each projection one matrix.

@@ -174,7 +174,7 @@ def qk_clip(params: Any, max_logits: Any, *, qk_clip_threshold: Any, layout: Any
   kernel), ``wkv_a``, the value and output projections and all other leaves.
 
   With QK-norm (``GQALayout(query_norm=..., key_norm=...)``) the kernels are left alone and
-  the norms' scales (and biases) are scaled instead (``muonclip_jax._qk_norm``: per head, or
+  the norms' scales (and biases) are scaled instead (per head, or
   per layer by the smallest gamma where the scale is shared by heads); an undeclared norm
   of a usual QK-norm name (Flax's ``query_ln``/``key_ln``, ``q_norm``/``k_norm``, ...) is a
   ValueError, since scaling the kernels would have no effect.

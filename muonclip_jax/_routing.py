@@ -159,7 +159,7 @@ def matrix_axes_lookup(spec: MatrixAxesSpec, tree: Any, *,
   callable from the parameters to such a pytree. Trees are matched by path, so a sub-tree
   (as ``optax.partition`` passes) works too. A leaf the spec leaves at ``None`` is resolved,
   in order, from the type of the layer that owns it (an Equinox ``Linear`` weight is
-  ``(*layers, out, in)``: ``muonclip_jax._equinox``), from its logical axis names when
+  ``(*layers, out, in)``), from its logical axis names when
   ``tree`` carries them (``axes_from_names``), as ``(in, out)`` when it is 2-D, else with a
   ValueError naming its path and shape.
 

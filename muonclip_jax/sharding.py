@@ -12,8 +12,7 @@ module gives
   with them;
 * ``orthogonalize_sharded``: Newton–Schulz with each matrix orthogonalized whole on one
   device, balanced by FLOPs over all matrices, or the largest split over a device group
-  (``muonclip_jax._distributed_ns``, planned by ``muonclip_jax._ns_planner`` and
-  ``muonclip_jax._ns_hybrid``), used by ``scale_by_muon(shard_orthogonalization=...)``
+  (planned over all the matrices, then run in one ``shard_map``), used by ``scale_by_muon(shard_orthogonalization=...)``
   (and ``muon``, ``muon_adamw``, ``muonclip``). See ``docs/sharding.md``.
 
 Multi-host: nothing here is host-specific; ``jax.distributed.initialize`` before anything
