@@ -114,8 +114,8 @@ def optax_muon(preset: str | None = None) -> optax.GradientTransformation:
                       preconditioning="schatten" if normalize == "schatten4" else "frobenius", **common)
 
 
-def ours(preset: str = "polar_express_4", method: str = "auto") -> optax.GradientTransformation:
-  return mc.muon(1.0, weight_decay=0.0, ns_coeffs=preset, ns_method=method)
+def ours(preset: str = "polar_express_4", method: str = "auto", **kw) -> optax.GradientTransformation:
+  return mc.muon(1.0, weight_decay=0.0, ns_coeffs=preset, ns_method=method, **kw)
 
 
 def ours_flops(params: dict, preset: str, method: str) -> int:
@@ -179,6 +179,8 @@ def headline(params: dict, repeats: int, title: str) -> None:
           ours("muon", "standard"), ours_flops(params, "muon", "standard")),
       "muonclip_jax.muon default (polar_express_4, 4, auto)": (
           ours(), ours_flops(params, "polar_express_4", "auto")),
+      "muonclip_jax.muon default, one matrix per call (ns_batch=1)": (
+          ours(ns_batch=1), ours_flops(params, "polar_express_4", "auto")),
   }
   rows = time_contenders(contenders, params, repeats)
   print_timing(title, rows, "optax.contrib.muon (default: Keller, 5 steps)", largest_mb(params))

@@ -11,14 +11,15 @@ Two models' hidden matrices, float32, each attention module declared by its layo
   256, head dims 64 + 32 rope, values 64, SwiGLU 2816), 4 layers.
 
 For ``muon_blocks`` in ``matrix``, ``part``, ``head``, ``head+out`` (``scale_by_muon``'s
-defaults otherwise: ``polar_express_4``, ``ns_method="auto"``, ``ns_batch`` 1):
+defaults otherwise: ``polar_express_4``, ``ns_method="auto"``, the default grouping):
 
 1. **Analytic FLOPs** of the Newton–Schulz matmuls (``newton_schulz.ns_flops`` of every
    block), the attention's and the whole update's.
 2. **Time** of one jitted update, every mode compiled first, then timed alternating in one
    process (medians; the spread is min-max).
 3. **Per-device FLOPs on 8 fake CPU devices** (XLA's cost analysis of the compiled update,
-   Newton–Schulz loops unrolled: cost analysis counts a rolled loop's body once), on a
+   Newton–Schulz loops unrolled and one matrix per call, ``ns_batch=1``: cost analysis counts
+   a rolled loop's body once), on a
    ``2 x 4`` ``data x model`` mesh with the heads on ``model`` (the library's default rules),
    plain SPMD and with ``shard_orthogonalization`` (the distributed Newton–Schulz), over one
    device's compiled FLOPs of the same mode.
@@ -152,11 +153,11 @@ def device_flops(params, names, layout):
   for mode in MODES:
     row = []
     with unrolled_loops():
-      single = mc.scale_by_muon(layout=layout, muon_blocks=mode)
+      single = mc.scale_by_muon(layout=layout, muon_blocks=mode, ns_batch=1)  # no stacking loops (see above)
       ref = jax.jit(single.update).lower(grads, single.init(params)).compile().cost_analysis()["flops"]
       row.append(ref)
       for target in (None, ps):
-        opt = mc.scale_by_muon(layout=layout, muon_blocks=mode, shard_orthogonalization=target)
+        opt = mc.scale_by_muon(layout=layout, muon_blocks=mode, shard_orthogonalization=target, ns_batch=1)
         state = sharding.init_state(opt, sp, ps)
         compiled = jax.jit(opt.update, out_shardings=(ps, None)).lower(sg, state).compile()
         row.append(compiled.cost_analysis()["flops"] / ref)

@@ -8,8 +8,8 @@ its shape; DeepSpeed #8384 scales per head block the same way), and the pieces p
 The blocks of one matrix (the ``inner`` batch axes: heads, parts) are orthogonalized in one
 batched ``newton_schulz`` call, never mapped one by one: a heads-sharded kernel is then
 orthogonalized where it lives, each device on its own heads, with no gather. Only stacked
-layers (the other batch axes) are mapped, in slices of ``ns_batch``, as for whole matrices.
-Leaves without blocks go through ``orthogonalize_leaves`` as ever, after the block leaves.
+layers (the other batch axes) are mapped, in slices of ``ns_batch`` (default 1). Leaves
+without blocks go through ``orthogonalize_leaves`` (``_ns_batching``), after the block leaves.
 
 With ``shard_orthogonalization`` the pieces are ordinary matrices of the distributed
 Newton–Schulz (``_distributed_ns``), their shardings derived from the leaf's
@@ -32,6 +32,7 @@ from . import _newton_schulz
 from ._distributed_ns import mesh_of, ns_flops_of, orthogonalize_sharded
 from ._muon_blocks import Blocks, piece_dims, piece_spec
 from ._paths import path_str
+from ._ns_batching import orthogonalize_leaves
 from ._sequence import after
 
 
@@ -78,12 +79,11 @@ def ns_in_place(x: jax.Array, batch: tuple[int, ...], fan_in: tuple[int, ...], f
 
 
 def orthogonalize_blocks(gs: list, ms: list, blocks: Sequence[Blocks], direction: Callable, rms: Callable, *,
-                         paths: Sequence[str], whole: Callable, batch: int, target: Any, split: str,
+                         paths: Sequence[str], batch: int | None, target: Any, split: str,
                          ns_kwargs: dict) -> list:
   """``rms(rows, cols) * NewtonSchulz(direction(g_i, m_i))`` block by block, in each leaf's dtype.
 
-  ``whole`` is ``orthogonalize_leaves`` (for the leaves without blocks, and its signature);
-  ``target`` is ``scale_by_muon``'s ``shard_orthogonalization``.
+  ``target`` is ``scale_by_muon``'s ``shard_orthogonalization``; ``batch`` its ``ns_batch``.
   """
   if target is not None:
     return _sharded(gs, ms, blocks, direction, rms, paths=paths, target=target, split=split, ns_kwargs=ns_kwargs)
@@ -98,7 +98,7 @@ def orthogonalize_blocks(gs: list, ms: list, blocks: Sequence[Blocks], direction
       continue
     g, m = (gs[i], ms[i]) if not prev else after((gs[i], ms[i]), prev)  # one leaf's temporaries at a time
     d = direction(g, m)
-    outs = [ns_in_place(x, bt, fi, fo, b.inner, ns, batch) * rms(r, c)
+    outs = [ns_in_place(x, bt, fi, fo, b.inner, ns, batch or 1) * rms(r, c)
             for x, (bt, fi, fo, r, c) in zip(b.pieces(d), piece_dims(b, paths[i], d.shape))]
     result[i] = b.assemble(outs, d.shape).astype(gs[i].dtype)
     prev = [result[i]]
@@ -112,8 +112,8 @@ def orthogonalize_blocks(gs: list, ms: list, blocks: Sequence[Blocks], direction
     def finish(j, o):
       return (o * rms(dims[j][3], dims[j][4])).astype(gs[rest[j]].dtype)
 
-    outs = whole([g for g, _ in sub], [m for _, m in sub], [d[:3] for d in dims], direction, finish, batch=batch,
-                 **ns_kwargs)
+    outs = orthogonalize_leaves([g for g, _ in sub], [m for _, m in sub], [d[:3] for d in dims], direction, finish,
+                                batch=batch, **ns_kwargs)
     for i, o in zip(rest, outs):
       result[i] = o
   return result

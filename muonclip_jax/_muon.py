@@ -27,13 +27,13 @@ from . import _newton_schulz
 from ._boxes import MetadataMemo
 from ._frozen_leaves import skip_frozen_leaves
 from ._checks import check_bool, check_number
-from ._matrix_axes import MatrixAxesSpec, from_matrices, to_matrices
+from ._matrix_axes import MatrixAxesSpec
 from ._paths import path_str
 from ._distributed_ns import check_target, orthogonalize_leaves_sharded
 from ._block_orthogonalize import orthogonalize_blocks
 from ._layout_matrices import check_blocks, muon_blocks_lookup
 from ._muon_blocks import piece_dims
-from ._sequence import after as _after
+from ._ns_batching import orthogonalize_leaves
 
 RMS_MODES = ("moonlight", "keller", None)
 
@@ -58,67 +58,6 @@ class ScaleByMuonState(NamedTuple):
   """
 
   mu: optax.Updates  # momentum M_t; shapes of the params, dtype mu_dtype (default: the params')
-
-
-def orthogonalize_leaves(gs: list, ms: list, specs: list, direction: Any, finish: Any, *,
-                         batch: int, target: Any = None, paths: Any = (), split: str = "auto",
-                         **ns_kwargs: Any) -> list:
-  """``finish(i, NewtonSchulz(direction(g_i, m_i)))`` for every leaf pair ``(g_i, m_i)``.
-
-  ``specs[i]`` is leaf ``i``'s ``(batch, fan_in, fan_out)`` axes. With ``target`` (a
-  ``Mesh`` or the leaves' ``NamedSharding``s matched by ``paths``) each matrix is
-  orthogonalized on one device of the mesh, or split over a group of them (``split``:
-  ``"auto"``, ``"always"``, ``"never"``; ``_distributed_ns``, ``_ns_hybrid``; ``batch`` is
-  not used).
-  Otherwise matrices of the same
-  ``min x max`` size and dtype (tall ones transposed) are grouped, in leaf order, into
-  calls of at most ``batch`` matrices (a stacked leaf with more goes
-  through ``lax.map`` in slices of ``batch``). The calls run one after another: each call's
-  inputs depend on the previous call's finished leaves (``_after``), so XLA keeps the
-  temporaries of one call alive at a time instead of scheduling all calls at once.
-  """
-  if target is not None:
-    return orthogonalize_leaves_sharded(gs, ms, specs, direction, finish, paths=paths, target=target,
-                                        ns_kwargs=ns_kwargs, split=split)
-  keys, counts, tall = [], [], []
-  for g, (b, fi, fo) in zip(gs, specs):
-    r = math.prod(g.shape[a] for a in fi)
-    c = math.prod(g.shape[a] for a in fo)
-    keys.append((min(r, c), max(r, c), jnp.result_type(g)))
-    counts.append(math.prod(g.shape[a] for a in b))
-    tall.append(r > c)
-  chunks, open_chunk = [], {}
-  for i, (key, count) in enumerate(zip(keys, counts)):
-    cur = open_chunk.get(key)
-    if cur is not None and sum(counts[j] for j in cur) + count > batch:
-      cur = None
-    if cur is None:
-      cur = []
-      chunks.append(cur)
-      if count < batch:
-        open_chunk[key] = cur
-    cur.append(i)
-
-  def ns(x):
-    return _newton_schulz.newton_schulz(x, **ns_kwargs)
-
-  wide = batch > 1  # group tall matrices with the wide ones of their shape
-  result = [None] * len(gs)
-  prev: list = []
-  for chunk in chunks:
-    raw = [(gs[i], ms[i]) for i in chunk]
-    if prev:  # wait for the previous call (see the docstring)
-      raw = _after(raw, [result[i] for i in prev])
-    stacks = [to_matrices(direction(g, m), *specs[i], transpose=wide and tall[i]) for i, (g, m) in zip(chunk, raw)]
-    x = stacks[0] if len(stacks) == 1 else jnp.concatenate(stacks, axis=0)
-    out = ns(x) if x.shape[0] <= batch else jax.lax.map(ns, x, batch_size=batch)
-    start = 0
-    for i in chunk:
-      result[i] = finish(i, from_matrices(out[start:start + counts[i]], gs[i].shape, *specs[i],
-                                          transpose=wide and tall[i]))
-      start += counts[i]
-    prev = chunk
-  return result
 
 
 def rms_factor(rms_match: str | None, rms_scale: Any, fan_in: int, fan_out: int) -> Any:
@@ -164,10 +103,18 @@ def scale_by_muon(
   default). See ``newton_schulz`` for the output bands, and ``benchmarks/RESULTS.md`` for
   both measured against ``optax.contrib.muon`` (bands, FLOPs, time, memory).
 
-  Matrices are orthogonalized one call after another (``ns_batch`` same-shaped ones per
-  call), each waiting for the previous one, so the compiled update's temporary memory is
-  that of one call (a few times the largest matrix; measured in ``benchmarks/RESULTS.md``),
-  not of all leaves.
+  Same-shaped matrices (rows, columns, dtype) are stacked and orthogonalized by one loop per
+  stack, so that the update compiles in a time that does not grow with depth: a shape with
+  fewer than 8 matrices is not stacked; otherwise its matrices go, in leaf order, into at
+  most 8 stacks of ``max(8, ceil(count / 8))``. Each loop iteration is one batched call of
+  one matrix on a CPU (where batching saves nothing), and on an accelerator of as many
+  matrices as make ``2^40`` Newton–Schulz FLOPs (about a millisecond of an H100), so that
+  the loop's overhead per iteration stays small. The loops read the leaves in place (no stacked copy of the inputs)
+  and run one after another; their stacked results are the default's extra temporary
+  memory, at most one copy of the stacked matrices' updates. ``ns_batch`` overrides the rule;
+  ``ns_batch=1`` orthogonalizes one matrix at a time, each call waiting for the previous
+  one (temporaries of one matrix, the longest
+  compile). Measured in ``benchmarks/RESULTS.md``.
 
   Args:
     beta: momentum ``mu`` (Moonlight/Kimi: 0.95). May be traced (``inject_hyperparams``).
@@ -184,14 +131,14 @@ def scale_by_muon(
     ns_normalize: ``"frobenius"``, ``"schatten4"`` or ``None`` for the preset's own
       (static; see ``newton_schulz``).
     ns_restarts: Gram restarts, static step indices (see ``newton_schulz``).
-    ns_batch: how many same-shaped matrices (tall ones transposed) go into one batched
-      Newton–Schulz call: a static int >= 1, or ``None`` (default) for 1. On a CPU
-      batching saves no time and each batched call's temporaries grow with its size; on
-      accelerators, batching small matrices saves kernel launches. (``None`` rather than
-      ``1`` as the default keeps it out of ``optax.inject_hyperparams``, which injects every
-      numeric default; to pass a number under it, name ``static_args=("ns_batch",)``.)
-      The blocks of one matrix (``muon_blocks``: its heads or parts) always go into one
-      call together; ``ns_batch`` counts their stacked layers.
+    ns_batch: a static int >= 1: same-shaped matrices (tall ones transposed) go, in leaf
+      order, into batched Newton–Schulz calls of at most ``ns_batch``, with no stacking loop
+      (a stacked leaf with more goes through ``lax.map`` in slices of ``ns_batch``). ``None``
+      (default): the stacking rule above. (``None`` rather than a number as the default keeps
+      it out of ``optax.inject_hyperparams``, which injects every numeric default; to pass a
+      number under it, name ``static_args=("ns_batch",)``.) The blocks of one matrix
+      (``muon_blocks``: its heads or parts) always go into one call together; their stacked
+      layers go in slices of ``ns_batch`` (default 1).
     eps: Newton–Schulz norm epsilon; a zero gradient gives a zero update. It is a floor on
       the normalization (see ``newton_schulz``): a direction whose Frobenius norm is not
       well above ``eps`` (entries of 1e-30, say) gives an update near zero instead of an
@@ -239,7 +186,7 @@ def scale_by_muon(
       than ``"matrix"`` needs ``layout``; ``"head"`` also needs each attention module's value
       projection (GQA ``value=``), ``"head+out"`` its output projection (``out=``), else
       ValueError naming the module.
-: static. ``None`` (default): each matrix is orthogonalized in
+    shard_orthogonalization: static. ``None`` (default): each matrix is orthogonalized in
       its parameter's layout, as XLA partitions it (on a mesh every device repeats much of
       the work). A pytree of the params' ``NamedSharding`` (``sharding.param_shardings``,
       matched by path): every matrix is orthogonalized on one device of their mesh and its
@@ -298,7 +245,7 @@ def scale_by_muon(
   if ns_batch is not None and (isinstance(ns_batch, bool) or not isinstance(ns_batch, numbers.Integral)
                                or ns_batch < 1):
     raise ValueError(f"ns_batch must be None or an int >= 1, got {ns_batch!r}")
-  batch = 1 if ns_batch is None else int(ns_batch)  # orthogonalize_leaves takes the number itself
+  batch = None if ns_batch is None else int(ns_batch)
   check_bool("nesterov", nesterov)
   check_number("beta", beta, low=0.0, high=1.0, high_open=True)
   check_number("rms_scale", rms_scale, low=0.0)
@@ -343,7 +290,7 @@ def scale_by_muon(
 
     leaves = [g for _, g in flat]
     if any(not b.is_whole for b in blocks):  # per head or per part (muon_blocks)
-      new = orthogonalize_blocks(leaves, flat_mu, blocks, direction, rms, paths=paths, whole=orthogonalize_leaves,
+      new = orthogonalize_blocks(leaves, flat_mu, blocks, direction, rms, paths=paths,
                                  batch=batch, target=shard_orthogonalization, split=shard_split, ns_kwargs=ns_kwargs)
       return jax.tree_util.tree_unflatten(treedef, new), ScaleByMuonState(mu=mu)
     specs = [piece_dims(b, p, g.shape)[0] for b, p, g in zip(blocks, paths, leaves)]
@@ -351,9 +298,12 @@ def scale_by_muon(
     def finish(i, o):
       return (o * rms(specs[i][3], specs[i][4])).astype(flat[i][1].dtype)
 
-    new = orthogonalize_leaves(leaves, flat_mu, [s[:3] for s in specs], direction, finish,
-                               batch=batch, target=shard_orthogonalization, split=shard_split,
-                               paths=paths, **ns_kwargs)
+    axes = [s[:3] for s in specs]
+    if shard_orthogonalization is not None:
+      new = orthogonalize_leaves_sharded(leaves, flat_mu, axes, direction, finish, paths=paths,
+                                         target=shard_orthogonalization, ns_kwargs=ns_kwargs, split=shard_split)
+    else:
+      new = orthogonalize_leaves(leaves, flat_mu, axes, direction, finish, batch=batch, **ns_kwargs)
     return jax.tree_util.tree_unflatten(treedef, new), ScaleByMuonState(mu=mu)
 
   return skip_frozen_leaves(optax.GradientTransformation(init_fn, update_fn))

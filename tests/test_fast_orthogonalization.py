@@ -270,12 +270,12 @@ def test_bf16_compute_dtype_through_scale_by_muon():
   chex.assert_trees_all_close(u, ref, atol=0.1)  # bf16 rounding, as in test_muon
 
 
-def test_temporary_memory_is_that_of_one_matrix():
-  """Matrices go one after another: the compiled update's temporaries do not grow with the
+def test_one_matrix_per_call_keeps_the_temporaries_of_one_matrix():
+  """ns_batch=1: matrices go one after another, and the compiled update's temporaries do not grow with the
   number of leaves (about two matrices for Gram, one for the rolled standard iteration)."""
   def temp_bytes(n_leaves, **kw):
     g = {f"w{i}": jnp.ones((128, 512)) if i % 2 else jnp.ones((512, 128)) for i in range(n_leaves)}
-    tx = mc.scale_by_muon(**kw)
+    tx = mc.scale_by_muon(ns_batch=1, **kw)
     return jax.jit(tx.update).lower(g, tx.init(g)).compile().memory_analysis().temp_size_in_bytes
 
   largest = 128 * 512 * 4

@@ -1,0 +1,157 @@
+"""Compile time and step time of one optimizer update on deep unscanned models.
+
+For each depth, each contender's ``update`` is jitted, lowered and compiled once (wall time of
+``lower(...).compile()``, a fresh function each time, so nothing is cached), then run
+``--repeats`` times, contenders alternating (median step time). Trees, unscanned (one leaf
+per matrix and layer, as Hugging Face Flax models and layer-by-layer NNX models hold them):
+
+* ``gpt``: width 256, MLP 1024, 6 matrices per layer (q, k, v, o ``256 x 256``; up
+  ``256 x 1024``; down ``1024 x 256``);
+* ``mla``: the demo model's MLA layer (``examples/train_mla_lm.py``: width 128, 4 heads,
+  q_lora 64, kv_lora 32, head dims 16 + 16, values 16, SwiGLU 384), 8 matrices per layer.
+
+Contenders: ``optax.adamw``, ``optax.contrib.muon`` (its defaults), ``mc.muon_adamw`` (the
+default grouping) and ``mc.muon_adamw(ns_batch=1)`` (one matrix per call). ``--sharded``
+compiles ``mc.muon_adamw(shard_orthogonalization=...)`` with the params sharded over 8 fake
+CPU devices (FSDP on the larger axis), in a process of its own.
+
+Usage::
+
+  PYTHONPATH=. python benchmarks/bench_compile.py                  # 12, 24, 48, 96 layers
+  PYTHONPATH=. python benchmarks/bench_compile.py --sharded        # the distributed path, 8 devices
+  PYTHONPATH=. python benchmarks/bench_compile.py --layers 12 --trees gpt --repeats 2   # quick
+"""
+
+from __future__ import annotations
+
+import sys
+
+if "--sharded" in sys.argv:  # before jax starts
+  import os
+
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from optax import contrib
+
+import muonclip_jax as mc
+from muonclip_jax import _ns_batching as nb
+
+
+def gpt_layer(d: int = 256, ff: int = 1024) -> dict:
+  return {"q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d), "up": (d, ff), "down": (ff, d)}
+
+
+def mla_layer(d: int = 128, heads: int = 4, q_lora: int = 64, kv_lora: int = 32, nope: int = 16, rope: int = 16,
+              v: int = 16, ffn: int = 384) -> dict:
+  return {"wq_a": (d, q_lora), "wq_b": (q_lora, heads * (nope + rope)), "wkv_a": (d, kv_lora + rope),
+          "wkv_b": (kv_lora, heads * (nope + v)), "wo": (heads * v, d), "w_gate": (d, ffn), "w_up": (d, ffn),
+          "w_down": (ffn, d)}
+
+
+TREES = {"gpt": gpt_layer, "mla": mla_layer}
+
+
+def params_of(layer: dict, layers: int) -> dict:
+  keys = iter(jax.random.split(jax.random.key(0), len(layer) * layers))
+  return {f"layer_{i}": {n: 0.02 * jax.random.normal(next(keys), s) for n, s in layer.items()} for i in range(layers)}
+
+
+def contenders(sharded: Mesh | None, params: dict) -> dict:
+  if sharded is not None:
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    return {"optax.adamw": optax.adamw(1e-3),
+            "mc.muon_adamw (default)": mc.muon_adamw(1e-3),
+            "mc.muon_adamw (shard_orthogonalization)": mc.muon_adamw(1e-3, shard_orthogonalization=shardings)}
+  return {"optax.adamw": optax.adamw(1e-3), "optax.contrib.muon": contrib.muon(1e-3),
+          "mc.muon_adamw (default)": mc.muon_adamw(1e-3), "mc.muon_adamw (ns_batch=1)": mc.muon_adamw(1e-3, ns_batch=1)}
+
+
+def _with_budget(budget: float) -> optax.GradientTransformation:
+  """``mc.muon_adamw`` whose update traces with ``_ns_batching.CALL_FLOPS = budget``."""
+  opt = mc.muon_adamw(1e-3)
+
+  def update(updates, state, params=None):
+    saved, nb.CALL_FLOPS = nb.CALL_FLOPS, budget
+    try:
+      return opt.update(updates, state, params)
+    finally:
+      nb.CALL_FLOPS = saved
+
+  return optax.GradientTransformation(opt.init, update)
+
+
+def measure(opts: dict, params: dict, repeats: int) -> dict:
+  grads = jax.tree.map(jnp.sin, params)
+  runs, out = {}, {}
+  for name, opt in opts.items():
+    state = opt.init(params)
+    t0 = time.perf_counter()
+    compiled = jax.jit(opt.update).lower(grads, state, params).compile()
+    out[name] = {"compile": time.perf_counter() - t0, "steps": []}
+    jax.block_until_ready(compiled(grads, state, params))
+    runs[name] = (compiled, state)
+  for _ in range(repeats):
+    for name, (compiled, state) in runs.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(compiled(grads, state, params))
+      out[name]["steps"].append(time.perf_counter() - t0)
+  return out
+
+
+def shard(params: dict, mesh: Mesh) -> dict:
+  def place(x):
+    axis = int(np.argmax(x.shape))
+    spec = [None] * x.ndim
+    spec[axis] = "fsdp"
+    return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+  return jax.tree.map(place, params)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--layers", type=int, nargs="*", default=[12, 24, 48, 96])
+  parser.add_argument("--trees", nargs="*", default=list(TREES), choices=list(TREES))
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--sharded", action="store_true", help="8 fake CPU devices, params sharded (FSDP)")
+  parser.add_argument("--call-flops", type=float, nargs="*", default=[],
+                      help="also time the default with these per-call FLOP budgets (the accelerator rule's "
+                           "CALL_FLOPS; 0: one matrix per call)")
+  args = parser.parse_args()
+  print(f"jax {jax.__version__}, optax {optax.__version__}, backend {jax.default_backend()}, "
+        f"{jax.devices()[0].device_kind} x {len(jax.devices())}, {platform.machine()} x {os.cpu_count()} cores, "
+        f"python {platform.python_version()}")
+  print(f"command: {' '.join(['python'] + sys.argv)}\n")
+  mesh = Mesh(np.array(jax.devices()), ("fsdp",)) if args.sharded else None
+  for tree in args.trees:
+    names = None
+    for layers in args.layers:
+      params = params_of(TREES[tree](), layers)
+      if mesh is not None:
+        params = shard(params, mesh)
+      opts = contenders(mesh, params)
+      for budget in args.call_flops:
+        opts[f"default, CALL_FLOPS={budget:.3g}"] = _with_budget(budget)
+      res = measure(opts, params, args.repeats)
+      if names is None:
+        names = list(res)
+        print(f"\n### {tree}, unscanned: compile s / step ms (median of {args.repeats})\n")
+        print("| layers | " + " | ".join(names) + " |")
+        print("|---" * (len(names) + 1) + "|")
+      cells = [f"{r['compile']:.2f} s / {1e3 * statistics.median(r['steps']):.1f} ms" for r in res.values()]
+      print(f"| {layers} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
