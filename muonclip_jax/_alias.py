@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -15,30 +15,31 @@ from ._frozen_leaves import skip_frozen_leaves
 from ._matrix_axes import MatrixAxesSpec
 from ._muon import scale_by_muon
 from ._labels import ADAM, MUON, muon_labels, remembering_labels
+from ._layouts import LayoutSpec
 
 
 def muon(
     learning_rate: optax.ScalarOrSchedule,
     *,
     weight_decay: optax.ScalarOrSchedule = 0.1,
-    weight_decay_mask: Any = None,
+    weight_decay_mask: optax.Params | Callable[[optax.Params], optax.Params] | None = None,
     beta: float = 0.95,
     nesterov: bool = True,
     ns_steps: int | None = None,
-    ns_coeffs: Any = "polar_express_4",
+    ns_coeffs: str | jax.typing.ArrayLike = "polar_express_4",
     ns_method: str = "auto",
     ns_normalize: str | None = None,
     ns_restarts: Sequence[int] = (),
     ns_batch: int | None = None,
     eps: float = 1e-7,
-    compute_dtype: Any = None,
-    mu_dtype: Any = None,
+    compute_dtype: jax.typing.DTypeLike | None = None,
+    mu_dtype: jax.typing.DTypeLike | None = None,
     rms_match: str | None = "moonlight",
     rms_scale: float = 0.2,
     matrix_axes: MatrixAxesSpec = None,
-    layout: Any = None,
+    layout: LayoutSpec | None = None,
     muon_blocks: str = "matrix",
-    shard_orthogonalization: Any = None,
+    shard_orthogonalization: jax.sharding.Mesh | optax.Params | None = None,
     shard_split: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
   """Muon for weight matrices, as in Kimi K2 (arXiv 2507.20534, Algorithm 1).
@@ -107,30 +108,30 @@ def muon_adamw(
     learning_rate: optax.ScalarOrSchedule,
     *,
     weight_decay: optax.ScalarOrSchedule = 0.1,
-    labels: Any = None,
+    labels: optax.Params | Callable[[optax.Params], optax.Params] | None = None,
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
     adam_b1: float = 0.9,
     adam_b2: float = 0.95,
     adam_eps: float = 1e-8,
     adam_weight_decay: optax.ScalarOrSchedule | None = None,
-    weight_decay_mask: Any = None,
+    weight_decay_mask: optax.Params | Callable[[optax.Params], optax.Params] | None = None,
     beta: float = 0.95,
     nesterov: bool = True,
     ns_steps: int | None = None,
-    ns_coeffs: Any = "polar_express_4",
+    ns_coeffs: str | jax.typing.ArrayLike = "polar_express_4",
     ns_method: str = "auto",
     ns_normalize: str | None = None,
     ns_restarts: Sequence[int] = (),
     ns_batch: int | None = None,
     eps: float = 1e-7,
-    compute_dtype: Any = None,
-    mu_dtype: Any = None,
+    compute_dtype: jax.typing.DTypeLike | None = None,
+    mu_dtype: jax.typing.DTypeLike | None = None,
     rms_match: str | None = "moonlight",
     rms_scale: float = 0.2,
     matrix_axes: MatrixAxesSpec = None,
-    layout: Any = None,
+    layout: LayoutSpec | None = None,
     muon_blocks: str = "matrix",
-    shard_orthogonalization: Any = None,
+    shard_orthogonalization: jax.sharding.Mesh | optax.Params | None = None,
     shard_split: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
   """The optimizer for a whole model: Muon on hidden matrices, AdamW on the rest.

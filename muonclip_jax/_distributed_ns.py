@@ -36,7 +36,6 @@ balance may be split over device groups (``_run_split``, ``_split_ns``) in the s
 from __future__ import annotations
 
 import collections
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 

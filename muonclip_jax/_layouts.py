@@ -298,6 +298,7 @@ class GQALayout:
 
 
 Layout = MLALayout | GQALayout
+LayoutSpec = Layout | Mapping[str, Layout]  # one layout, or module-path patterns to layouts
 
 
 def check_layout(layout: Any, name: str = "qk_clip") -> None:

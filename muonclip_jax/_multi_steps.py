@@ -21,13 +21,14 @@ from ._accumulation import MultiStepsMaxLogitsState, merge_max_logits
 from ._max_logits import collect_max_logits, nest_max_logits
 from ._qk_clip import init_max_logits
 from ._state_checks import check_opt_state
+from ._layouts import LayoutSpec
 
 
 def multi_steps(
     opt: optax.GradientTransformation,
     every_k_schedule: int | Callable[[jax.Array], jax.Array],
     *,
-    layout: Any,
+    layout: LayoutSpec,
     use_grad_mean: bool = True,
     should_skip_update_fn: Callable[..., Any] | None = None,
 ) -> optax.GradientTransformationExtraArgs:

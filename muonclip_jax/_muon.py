@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from . import _newton_schulz
@@ -34,6 +33,7 @@ from ._block_orthogonalize import orthogonalize_blocks
 from ._layout_matrices import check_blocks, muon_blocks_lookup
 from ._muon_blocks import piece_dims
 from ._ns_batching import orthogonalize_leaves
+from ._layouts import LayoutSpec
 
 RMS_MODES = ("moonlight", "keller", None)
 
@@ -74,20 +74,20 @@ def scale_by_muon(
     *,
     nesterov: bool = True,
     ns_steps: int | None = None,
-    ns_coeffs: Any = "polar_express_4",
+    ns_coeffs: str | jax.typing.ArrayLike = "polar_express_4",
     ns_method: str = "auto",
     ns_normalize: str | None = None,
     ns_restarts: Sequence[int] = (),
     ns_batch: int | None = None,
     eps: float = 1e-7,
-    compute_dtype: Any = None,
-    mu_dtype: Any = None,
+    compute_dtype: jax.typing.DTypeLike | None = None,
+    mu_dtype: jax.typing.DTypeLike | None = None,
     rms_match: str | None = "moonlight",
     rms_scale: float = 0.2,
     matrix_axes: MatrixAxesSpec = None,
-    layout: Any = None,
+    layout: LayoutSpec | None = None,
     muon_blocks: str = "matrix",
-    shard_orthogonalization: Any = None,
+    shard_orthogonalization: jax.sharding.Mesh | optax.Params | None = None,
     shard_split: str = "auto",
 ) -> optax.GradientTransformation:
   """Muon's direction: orthogonalized (Nesterov) momentum with update-RMS matching.

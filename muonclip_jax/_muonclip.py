@@ -10,7 +10,7 @@ so that ``optax.apply_updates(params, u')`` gives the clipped parameters.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -19,12 +19,12 @@ import optax
 
 from ._alias import muon_adamw
 from ._checks import check_number
-from ._layouts import check_layout
 from ._max_logits import CAPTURE_HINT
 from ._matrix_axes import MatrixAxesSpec
 from ._qk_clip import qk_clip, qk_clip_stats, threshold_or_nan
 from ._boxes import names_by_path
 from ._frozen_leaves import skip_frozen_leaves
+from ._layouts import LayoutSpec, check_layout
 
 _MISSING_MAX_LOGITS = (
     "{name}: max_logits is missing, but the clip threshold is {tau!r}; pass "
@@ -76,7 +76,7 @@ def _state(count, threshold, num_clipped=0, min_gamma=1.0) -> QKClipState:
                      num_clipped=jnp.asarray(num_clipped, jnp.int32), min_gamma=jnp.asarray(min_gamma, jnp.float32))
 
 
-def qk_clip_transform(qk_clip_threshold: Any, *, layout: Any) -> optax.GradientTransformationExtraArgs:
+def qk_clip_transform(qk_clip_threshold: optax.ScalarOrSchedule | None, *, layout: LayoutSpec) -> optax.GradientTransformationExtraArgs:
   """QK-Clip as the last transform of an Optax chain (Kimi K2, Algorithm 1, lines 10-15).
 
   ``update(updates, state, params, max_logits=intermediates)`` returns updates ``u'`` such
@@ -181,32 +181,32 @@ def qk_clip_transform(qk_clip_threshold: Any, *, layout: Any) -> optax.GradientT
 def muonclip(
     learning_rate: optax.ScalarOrSchedule,
     *,
-    layout: Any,
-    qk_clip_threshold: Any = 100.0,
+    layout: LayoutSpec,
+    qk_clip_threshold: optax.ScalarOrSchedule | None = 100.0,
     weight_decay: optax.ScalarOrSchedule = 0.1,
-    labels: Any = None,
+    labels: optax.Params | Callable[[optax.Params], optax.Params] | None = None,
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
     adam_b1: float = 0.9,
     adam_b2: float = 0.95,
     adam_eps: float = 1e-8,
     adam_weight_decay: optax.ScalarOrSchedule | None = None,
-    weight_decay_mask: Any = None,
+    weight_decay_mask: optax.Params | Callable[[optax.Params], optax.Params] | None = None,
     beta: float = 0.95,
     nesterov: bool = True,
     ns_steps: int | None = None,
-    ns_coeffs: Any = "polar_express_4",
+    ns_coeffs: str | jax.typing.ArrayLike = "polar_express_4",
     ns_method: str = "auto",
     ns_normalize: str | None = None,
     ns_restarts: Sequence[int] = (),
     ns_batch: int | None = None,
     eps: float = 1e-7,
-    compute_dtype: Any = None,
-    mu_dtype: Any = None,
+    compute_dtype: jax.typing.DTypeLike | None = None,
+    mu_dtype: jax.typing.DTypeLike | None = None,
     rms_match: str | None = "moonlight",
     rms_scale: float = 0.2,
     matrix_axes: MatrixAxesSpec = None,
     muon_blocks: str = "matrix",
-    shard_orthogonalization: Any = None,
+    shard_orthogonalization: jax.sharding.Mesh | optax.Params | None = None,
     shard_split: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
   """MuonClip (Kimi K2, arXiv 2507.20534, Algorithm 1): ``muon_adamw`` then QK-Clip.

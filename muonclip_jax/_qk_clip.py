@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import optax
 import jax.numpy as jnp
 import numpy as np
 
@@ -45,7 +46,7 @@ from ._attention_modules import attention_modules, layouts_of, leaves_by_module,
 from ._boxes import names_by_path
 from ._checks import check_number
 from ._equinox import storage_axes
-from ._layouts import GQALayout, MLALayout, check_layout, layout_for
+from ._layouts import GQALayout, LayoutSpec, MLALayout, check_layout, layout_for
 from ._max_logits import MAX_LOGITS, collect_max_logits, nest_max_logits
 from ._paths import join
 from ._projections import detect, missing_projections
@@ -160,8 +161,8 @@ def _role_factors(s: jax.Array, tau: jax.Array, lay: _Layout) -> dict[str, jax.A
 # ----------------------------------------------------------------------------- modules
 
 
-def qk_clip(params: Any, max_logits: Any, *, qk_clip_threshold: Any, layout: Any,
-            names: Mapping[str, tuple] | None = None) -> Any:
+def qk_clip(params: optax.Params, max_logits: Mapping[str, Any], *, qk_clip_threshold: float | jax.Array | None,
+            layout: LayoutSpec, names: Mapping[str, tuple] | None = None) -> optax.Params:
   """Applies QK-Clip (Kimi K2, arXiv 2507.20534, section 2.1, Algorithm 1) to attention params.
 
   For each attention module with per-head maxima S_max^h (pre-softmax logits times the softmax
@@ -331,7 +332,7 @@ def _check_all_reported(by_module: Mapping[str, Mapping[str, int]], leaves: list
     )
 
 
-def qk_clip_stats(max_logits: Any, *, qk_clip_threshold: Any) -> dict[str, dict[str, jax.Array]]:
+def qk_clip_stats(max_logits: Mapping[str, Any], *, qk_clip_threshold: float | jax.Array | None) -> dict[str, dict[str, jax.Array]]:
   """What QK-Clip does with these maxima, per module and per head (Kimi K2, section 2.1).
 
   The library's one report on the clip: the factors ``gamma_h = min(1, tau / S_max^h)``
@@ -393,7 +394,7 @@ def qk_clip_stats(max_logits: Any, *, qk_clip_threshold: Any) -> dict[str, dict[
   return stats
 
 
-def init_max_logits(params: Any, layout: Any) -> dict:
+def init_max_logits(params: optax.Params, layout: LayoutSpec) -> dict:
   """A ``max_logits`` tree of ``-inf`` for every attention module of ``params``.
 
   The tree has the structure of the ``intermediates`` collection that the attention modules

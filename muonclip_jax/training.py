@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import optax
 
+from ._layouts import LayoutSpec
 from ._checks import check_bool, check_number
 from ._exact_clip import exact_clip_step, exact_qk_clip, exact_rtol
 from ._forward import LossFn, capturing_forward
@@ -65,10 +66,10 @@ def make_train_step(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
     *,
-    qk_clip_threshold: Any = None,
-    layout: Any = None,
+    qk_clip_threshold: optax.ScalarOrSchedule | None = None,
+    layout: LayoutSpec | None = None,
     num_microbatches: int = 1,
-    compute_dtype: Any = None,
+    compute_dtype: jax.typing.DTypeLike | None = None,
     exact_clip: bool = False,
 ) -> Callable[..., tuple[Any, Any, dict[str, Any]]]:
   """Builds ``step(params, opt_state, batch, rng=None) -> (params, opt_state, metrics)``.

@@ -333,9 +333,18 @@ def test_signatures_are_written_out_with_every_option_of_the_inner_optimizer(out
       assert params[name].kind is p.KEYWORD_ONLY and params[name].default is p.empty
       continue
     assert params[name].kind is p.KEYWORD_ONLY and params[name].default == p.default, (outer.__name__, name)
+    assert params[name].annotation == p.annotation, (outer.__name__, name)
   extra = dict(layout=mc.MLALayout(2, 4, 4, 4)) if outer is mc.muonclip else {}
   with pytest.raises(TypeError, match=rf"{outer.__name__}\(\) got an unexpected keyword argument 'betta'"):
     outer(LR, betta=0.9, **extra)
+
+
+@pytest.mark.parametrize("fn", [mc.muon, mc.muon_adamw, mc.muonclip, mc.scale_by_muon, mc.qk_clip_transform,
+                                mc.multi_steps, mc.qk_clip, mc.training.make_train_step])
+def test_no_option_is_typed_any(fn):
+  """Options carry optax's and jax's types (``ScalarOrSchedule``, ``DTypeLike``, ``ArrayLike``)."""
+  untyped = [n for n, p in inspect.signature(fn).parameters.items() if p.annotation in ("Any", "Any | None")]
+  assert not untyped, (fn.__name__, untyped)
 
 
 # A value other than the default for every option of scale_by_muon.
