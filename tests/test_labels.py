@@ -111,7 +111,7 @@ def test_label_tree_and_callable_override():
     ],
 )
 def test_default_label_rules(path, shape, label):
-  from muonclip_jax._labels import default_label
+  from muonclip_jax._muon.labels import default_label
 
   assert default_label(path, shape) == label
 
@@ -166,7 +166,7 @@ def test_nnx_optimizer_init_and_update_route_alike():
           "output_layer": {"kernel": "adam", "bias": "adam"}}
   assert labels == want
   assert mc.muon_labels(nnx.to_pure_dict(params))["aux"]["kernel"] == "muon"  # bare: no name
-  from muonclip_jax._labels import default_label
+  from muonclip_jax._muon.labels import default_label
 
   vocab = frozenset({(64, 32)})  # (vocabulary, width) of the embedding
   assert default_label("readout/kernel", (64, 32), vocab=vocab) == "adam"
@@ -210,7 +210,7 @@ class _ScannedGain(nn.Module):
 
 
 def _flat_labels(params):
-  from muonclip_jax._paths import path_str
+  from muonclip_jax._util import path_str
 
   return {path_str(p): l for p, l in jax.tree_util.tree_flatten_with_path(mc.muon_labels(params))[0]}
 
@@ -241,7 +241,7 @@ def test_stacked_vectors_go_to_adamw_when_their_stack_shows_the_layer_axis():
 
 
 def test_what_shows_no_stack_keeps_its_matrices_and_the_listed_rules_decide():
-  from muonclip_jax._labels import default_label
+  from muonclip_jax._muon.labels import default_label
 
   # unstacked modules: a rank-1 vector, or leading sizes that differ, show there is no stack
   dense_general = {"attn": {"q": jnp.ones((16, 2, 8)), "k": jnp.ones((16, 2, 8)), "o": jnp.ones((16, 16)),

@@ -1,8 +1,8 @@
 """Which modules of a parameter tree are attention modules of a layout, and what lies under each.
 
 A module is an attention module of its layout when it holds every query/key projection the
-layout names (``_projections.missing_projections``). QK-Clip (``_qk_clip``) and Muon's
-matrices from a layout (``_layout_matrices``) find them the same way.
+layout names (``_clip.kernel_forms.missing_projections``). QK-Clip (``_clip.qk_clip``) and Muon's
+matrices from a layout (``_muon.layout_matrices``) find them the same way.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ._layouts import GQALayout, MLALayout, layout_for, matching_patterns
-from ._paths import keystr, strip_value
-from ._projections import missing_projections
+from .layouts import GQALayout, layout_for, matching_patterns, MLALayout
+from .._util import keystr, strip_value
+from .kernel_forms import missing_projections
 
 Layout = MLALayout | GQALayout
 

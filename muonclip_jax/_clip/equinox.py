@@ -13,7 +13,7 @@ each array is known, and nothing need be guessed from its shape:
 Axes in front of a layer's own (a ``weight`` of rank 3 in a ``Linear``) are stacked layers
 (``eqx.filter_vmap(Block)(keys)``): Muon batches them and the clip scales each layer on its
 own. Leaves of other types, subclasses included, are not read here (the general rules of
-``_labels`` and ``_routing`` apply to them).
+``_muon.labels`` and ``_muon.matrix_axes_rules`` apply to them).
 
 ``eqx.nn.MultiheadAttention`` has no hook for its logits; ``equinox_attention`` runs the
 module itself and reads the per-head maxima from the q and k its public ``process_heads``
@@ -36,8 +36,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._paths import key_name, keystr
-from ._projection import Projection
+from .._util import key_name, keystr
+from .projection import Projection
 
 MATRIX = "matrix"  # a weight matrix (Muon)
 VECTOR = "vector"  # a bias

@@ -15,8 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._max_logits import nest_max_logits
-from ._qk_clip import clip_decisions, no_clip_decisions, qk_clip
+from .max_logits import nest_max_logits
+from .qk_clip import clip_decisions, no_clip_decisions, qk_clip
 
 
 def exact_qk_clip(params: Any, measure: Callable[[Any], dict[str, jax.Array]], *, qk_clip_threshold: Any,

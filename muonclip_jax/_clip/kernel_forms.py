@@ -1,6 +1,6 @@
 """How a layout finds, reads and scales the query/key projections of one attention module.
 
-QK-Clip's math (``_qk_clip``) yields, for each projection role of a layout, a factor per
+QK-Clip's math (``_clip.qk_clip``) yields, for each projection role of a layout, a factor per
 head and per column of that head, shape ``(*stack, heads, width)``:
 
 * ``GQALayout``: roles ``"query"`` ``(*stack, num_heads, head_dim)`` and ``"key"``
@@ -34,10 +34,10 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from ._layouts import GQALayout, MLALayout
-from ._paths import join
-from ._projection import Projection as Spec
-from ._projection import as_projection, axes_from_logical, declared_factor, declared_stack, kernel_factor
+from .layouts import GQALayout, MLALayout
+from .._util import join
+from .projection import (as_projection, axes_from_logical, declared_factor, declared_stack, kernel_factor,
+                         Projection)
 
 Shape = tuple[int, ...]
 Part = tuple[str | None, int, int]  # (role or None for never-scaled value columns, heads, width)
@@ -72,7 +72,7 @@ def _form_label(form: str, parts: Sequence[Part]) -> str:
 class Found:
   """One detected projection: its spec, parts, kernel form and stacked-layer shape."""
 
-  spec: Spec
+  spec: Projection
   parts: tuple[Part, ...]
   form: str
   stack: Shape
@@ -124,7 +124,7 @@ def scale(x: jax.Array, factor: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- names
 
 
-def _mla_query(module: str, lay: MLALayout, shapes: Mapping[str, Shape], caller: str) -> Spec:
+def _mla_query(module: str, lay: MLALayout, shapes: Mapping[str, Shape], caller: str) -> Projection:
   if lay.query is not None:
     return as_projection(lay.query)
   if "wq/kernel" in shapes and "wq_b/kernel" in shapes:
@@ -133,12 +133,12 @@ def _mla_query(module: str, lay: MLALayout, shapes: Mapping[str, Shape], caller:
         "has one query projection (wq_b with query LoRA, wq without); name it with "
         "MLALayout(..., query=...)"
     )
-  return Spec("wq_b" if "wq_b/kernel" in shapes else "wq")
+  return Projection("wq_b" if "wq_b/kernel" in shapes else "wq")
 
 
 def projection_parts(
     module: str, lay: MLALayout | GQALayout, shapes: Mapping[str, Shape], caller: str = "qk_clip"
-) -> dict[Spec, tuple[Part, ...]]:
+) -> dict[Projection, tuple[Part, ...]]:
   """{projection spec: its parts, in storage order} that ``lay`` expects under ``module``."""
   if isinstance(lay, MLALayout):
     h, nope = lay.num_heads, lay.qk_nope_head_dim
@@ -255,7 +255,7 @@ def detect(
         f"layout's fields); parameters under {module or '<root>'!r}: {sorted(shapes)}"
     )
   names, typed = names or {}, typed or {}
-  fits: dict[Spec, list[tuple[str, Shape]]] = {}
+  fits: dict[Projection, list[tuple[str, Shape]]] = {}
   for spec, parts in list(parts_of.items()):
     kernel, bias = shapes[spec.kernel], shapes.get(spec.bias)
     if spec.axes is None:

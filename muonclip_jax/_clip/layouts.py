@@ -3,7 +3,7 @@
 A layout says how many heads an attention module has, how wide each head's query/key
 columns are, and under which names its query/key projections live. Its head-major column
 order follows DeepSeek-V3's names (see ``qk_clip``); which kernel forms a projection may
-take (2-D, DenseGeneral, fused QKV) is the concern of ``_projections``.
+take (2-D, DenseGeneral, fused QKV) is the concern of ``_clip.kernel_forms``.
 
 The library's attention modules report their own layout as ``module.layout``: that is the
 recommended source of a layout, since two layouts with equal column totals (e.g.
@@ -18,9 +18,9 @@ import itertools
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from ._checks import check_positive_int
-from ._equinox import attention_projections
-from ._projection import Projection, as_projection, check_qk_projection
+from .._util import check_positive_int
+from .equinox import attention_projections
+from .projection import as_projection, check_qk_projection, Projection
 
 
 def _check_name(owner: str, field: str, value: object, *, optional: bool = False,

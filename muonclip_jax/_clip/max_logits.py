@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._paths import join, key_name, keystr
+from .._util import join, key_name, keystr
 
 MAX_LOGITS = "max_logits"
 INTERMEDIATES = "intermediates"

@@ -15,13 +15,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._checks import check_bool
-from ._frozen_leaves import skip_frozen_leaves
-from ._accumulation import MultiStepsMaxLogitsState, merge_max_logits
-from ._max_logits import collect_max_logits, nest_max_logits
-from ._qk_clip import init_max_logits
-from ._state_checks import check_opt_state
-from ._layouts import LayoutSpec
+from .._util import check_bool, skip_frozen_leaves
+from .accumulation import merge_max_logits, MultiStepsMaxLogitsState
+from .max_logits import collect_max_logits, nest_max_logits
+from .qk_clip import init_max_logits
+from .state_checks import check_opt_state
+from .layouts import LayoutSpec
 
 
 def multi_steps(

@@ -21,8 +21,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from ._logical_axes import LOGICAL_AXES
-from ._matrix_axes import MatrixAxes
+from .._util import LOGICAL_AXES, MatrixAxes
 
 AXES = ("layers", "in", "heads", "head_dim", "out", "parts")
 PARTS = ("q", "k", "v")

@@ -28,7 +28,7 @@ How gamma_h is split between query and key depends on the head layout:
 
 A projection bias is part of the projection: its head slice is scaled like the kernel columns.
 Which leaves hold a head's columns (projection names, 2-D / DenseGeneral / fused QKV kernel
-forms) is the layout's business, in ``_projections``; this module computes the factors.
+forms) is the layout's business, in ``_clip.kernel_forms``; this module computes the factors.
 """
 
 from __future__ import annotations
@@ -42,16 +42,13 @@ import optax
 import jax.numpy as jnp
 import numpy as np
 
-from ._attention_modules import attention_modules, layouts_of, leaves_by_module, names_under
-from ._boxes import names_by_path
-from ._checks import check_number
-from ._equinox import storage_axes
-from ._layouts import GQALayout, LayoutSpec, MLALayout, check_layout, layout_for
-from ._max_logits import MAX_LOGITS, collect_max_logits, nest_max_logits
-from ._paths import join
-from ._projections import detect, missing_projections
-from ._qk_norm import check_undeclared as check_undeclared_norms
-from ._qk_norm import scale_norms
+from .attention_modules import attention_modules, layouts_of, leaves_by_module, names_under
+from .._util import check_number, join, names_by_path
+from .equinox import storage_axes
+from .layouts import check_layout, GQALayout, layout_for, LayoutSpec, MLALayout
+from .max_logits import collect_max_logits, MAX_LOGITS, nest_max_logits
+from .kernel_forms import detect, missing_projections
+from .qk_norm import check_undeclared, scale_norms
 
 _Layout = MLALayout | GQALayout
 
@@ -276,7 +273,7 @@ def qk_clip(params: optax.Params, max_logits: Mapping[str, Any], *, qk_clip_thre
     found = detect(module, lay, shapes, stack=s.shape[:-1], names=names_under(module, names),
                    typed=names_under(module, typed))
     if isinstance(lay, GQALayout):
-      check_undeclared_norms(module, lay, shapes, "qk_clip")
+      check_undeclared(module, lay, shapes, "qk_clip")
       if lay.query_norm is not None:  # QK-norm: the norms' scales, not the kernels
         scale_norms(module, lay, index, leaves, _gamma(s, tau)[1])
         continue

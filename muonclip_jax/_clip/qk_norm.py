@@ -40,8 +40,8 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from ._layouts import GQALayout
-from ._paths import join
+from .layouts import GQALayout
+from .._util import join
 
 # Sub-module names that QK-norm takes in Flax, Gemma, Hugging Face ports and this repository.
 NORM_NAMES = ("query_ln", "key_ln", "q_norm", "k_norm", "query_norm", "key_norm", "_query_norm", "_key_norm",

@@ -27,8 +27,8 @@ from typing import Any
 import jax
 import optax
 
-from ._accumulation import MultiStepsMaxLogitsState
-from ._muonclip import QKClipState
+from .accumulation import MultiStepsMaxLogitsState
+from .transform import QKClipState
 
 
 def _children(node: Any) -> list[tuple[Any, Any]]:

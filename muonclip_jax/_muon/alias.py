@@ -10,12 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._checks import check_number
-from ._frozen_leaves import skip_frozen_leaves
-from ._matrix_axes import MatrixAxesSpec
-from ._muon import scale_by_muon
-from ._labels import ADAM, MUON, muon_labels, remembering_labels
-from ._layouts import LayoutSpec
+from .._util import check_number, MatrixAxesSpec, skip_frozen_leaves
+from .scale_by_muon import scale_by_muon
+from .labels import ADAM, MUON, muon_labels, remembering_labels
+from .._clip import LayoutSpec
 
 
 def muon(
@@ -76,7 +74,7 @@ def muon(
     as ``learning_rate``).
   * Non-float leaves (integers, booleans; their gradients may be ``float0``, from
     ``jax.grad(..., allow_int=True)``) and zero-size leaves get a zero update, and no
-    state: weight decay never moves them (``_frozen_leaves``).
+    state: weight decay never moves them (``_util.frozen_leaves``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.

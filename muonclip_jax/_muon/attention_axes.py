@@ -1,6 +1,6 @@
 """``attention_matrix_axes``: Muon's matrices of attention kernels, read from their layout.
 
-A thin layer over ``_layout_matrices`` (what ``scale_by_muon(layout=...)`` reads itself),
+A thin layer over ``_muon.layout_matrices`` (what ``scale_by_muon(layout=...)`` reads itself),
 for ``muon``/``scale_by_muon`` without a layout and for a ``default`` of the other leaves.
 """
 
@@ -12,11 +12,9 @@ from typing import Any
 
 import jax
 
-from ._boxes import is_box, leaf_shape, logical_names
-from ._layouts import GQALayout, MLALayout
-from ._layout_matrices import layout_blocks
-from ._matrix_axes import MatrixAxes
-from ._paths import path_str
+from .._util import is_box, leaf_shape, logical_names, MatrixAxes, path_str
+from .._clip import GQALayout, MLALayout
+from .layout_matrices import layout_blocks
 
 # Leaf names of vectors (biases, norm scales) and embedding tables: never matrices of an attention layer.
 _VECTOR_LEAF_NAMES = frozenset({"bias", "scale", "embedding"})
@@ -31,7 +29,7 @@ def attention_matrix_axes(layout: Any, *, value: Any = None, out: Any = None,
   pytree, for ``muon``/``scale_by_muon`` without a layout and to set a ``default`` for the
   other leaves. In every attention module of the layout (the modules holding its
   query/key projections), each query, key, value and output kernel is one matrix, in any
-  storage the layout describes (``_layout_matrices``: the kernel forms of ``qk_clip``,
+  storage the layout describes (``_muon.layout_matrices``: the kernel forms of ``qk_clip``,
   declared ``Projection(axes=...)``, logical names; stacked layers batched). For the
   DenseGeneral form, ``matrix_axes=attention_matrix_axes(layout)`` makes each query, key and value kernel
   ``(*stack, in, heads, head_dim)`` one ``in x heads*head_dim`` matrix

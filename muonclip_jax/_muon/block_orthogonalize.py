@@ -1,4 +1,4 @@
-"""Newton–Schulz of leaves cut into blocks (``_muon_blocks``): per head, per part.
+"""Newton–Schulz of leaves cut into blocks (``_muon.blocks``): per head, per part.
 
 Each leaf with blocks is cut into its pieces (a view of the leaf, sliced), every piece's
 matrices orthogonalized, each piece scaled by the RMS factor of its own ``rows x cols``
@@ -9,10 +9,10 @@ The blocks of one matrix (the ``inner`` batch axes: heads, parts) are orthogonal
 batched ``newton_schulz`` call, never mapped one by one: a heads-sharded kernel is then
 orthogonalized where it lives, each device on its own heads, with no gather. Only stacked
 layers (the other batch axes) are mapped, in slices of ``ns_batch`` (default 1). Leaves
-without blocks go through ``orthogonalize_leaves`` (``_ns_batching``), after the block leaves.
+without blocks go through ``orthogonalize_leaves`` (``_orthogonalize.batching``), after the block leaves.
 
 With ``shard_orthogonalization`` the pieces are ordinary matrices of the distributed
-Newton–Schulz (``_distributed_ns``), their shardings derived from the leaf's
+Newton–Schulz (``_orthogonalize.distributed``), their shardings derived from the leaf's
 (``piece_spec``), except pieces whose batch axes are sharded (heads on a model axis): those
 already lie whole on their devices and are orthogonalized there.
 """
@@ -28,12 +28,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _newton_schulz
-from ._distributed_ns import mesh_of, ns_flops_of, orthogonalize_sharded
-from ._muon_blocks import Blocks, piece_dims, piece_spec
-from ._paths import path_str
-from ._ns_batching import orthogonalize_leaves
-from ._sequence import after
+from .._orthogonalize import mesh_of, newton_schulz, ns_flops_of, orthogonalize_leaves, orthogonalize_sharded
+from .blocks import Blocks, piece_dims, piece_spec
+from .._util import after, path_str
 
 
 def ns_in_place(x: jax.Array, batch: tuple[int, ...], fan_in: tuple[int, ...], fan_out: tuple[int, ...],
@@ -89,7 +86,7 @@ def orthogonalize_blocks(gs: list, ms: list, blocks: Sequence[Blocks], direction
     return _sharded(gs, ms, blocks, direction, rms, paths=paths, target=target, split=split, ns_kwargs=ns_kwargs)
 
   def ns(x):
-    return _newton_schulz.newton_schulz(x, **ns_kwargs)
+    return newton_schulz(x, **ns_kwargs)
 
   result: list = [None] * len(gs)
   prev: list = []
@@ -129,7 +126,7 @@ def _sharded(gs, ms, blocks, direction, rms, *, paths, target, split, ns_kwargs)
   sizes = dict(mesh.shape)
 
   def ns(x):
-    return _newton_schulz.newton_schulz(x, **ns_kwargs)
+    return newton_schulz(x, **ns_kwargs)
 
   xs, axes, shardings, where, pieces = [], [], [], [], {}
   for i, b in enumerate(blocks):

@@ -11,7 +11,7 @@
   ``q_lora x (nope + rope)``, ``wkv_b`` per head ``kv_lora x (nope + v)``); ``"head+out"``
   also cuts the output projection into ``head_dim x out`` blocks.
 
-A kernel is described by one name per axis (``_projection.AXES``: ``layers``, ``in``,
+A kernel is described by one name per axis (``_clip.projection.AXES``: ``layers``, ``in``,
 ``heads``, ``head_dim``, ``out``, ``parts``), in the reading of a projection from the model
 dimension to heads; an output projection is read the same way, transposed (its model
 dimension is ``"in"``, its heads ``"heads"``/``"head_dim"`` or the flattened ``"out"``), and
@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._matrix_axes import MatrixAxes
+from .._util import MatrixAxes
 
 MODES = ("matrix", "part", "head", "head+out")
 
@@ -109,7 +109,7 @@ def blocks_for(names: Sequence[str], shape: Sequence[int], parts: Sequence[tuple
   ``output``: an output projection read transposed (see the module docstring): its matrix's
   fan-in is the heads side. ``split``: for ``"part"``, the width at which each head's columns
   divide into two parts (MLA's ``wkv_b``: ``qk_nope_head_dim``), 0 for none. The shape must
-  already have been checked against ``parts`` (``_projection.fits_declared``).
+  already have been checked against ``parts`` (``_clip.projection.fits_declared``).
   """
   names, shape = list(names), [int(n) for n in shape]
   split_at = None

@@ -15,10 +15,8 @@ from typing import Any
 
 import jax
 
-from ._boxes import MetadataMemo, has_boxes, is_box, leaf_shape, logical_names
-from ._equinox import EMBEDDING, MATRIX, leaf_roles
-from ._logical_axes import LAYER_NAMES, VOCAB
-from ._paths import path_str
+from .._util import has_boxes, is_box, LAYER_NAMES, leaf_shape, logical_names, MetadataMemo, path_str, VOCAB
+from .._clip import EMBEDDING, leaf_roles, MATRIX
 
 MUON = "muon"
 ADAM = "adam"

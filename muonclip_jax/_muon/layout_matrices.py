@@ -1,9 +1,9 @@
 """Muon's matrices read from the attention layout: the layout is Muon's declaration.
 
 For every attention module of the layout (the modules that hold its query/key projections,
-``_attention_modules``), the query, key, value and output kernels get their ``Blocks``
-(``_muon_blocks``) from the layout, whatever their storage: the query/key forms are the ones
-QK-Clip detects (``_projections.detect``: 2-D head-major, DenseGeneral, fused q|k|v, declared
+``_clip.attention_modules``), the query, key, value and output kernels get their ``Blocks``
+(``_muon.blocks``) from the layout, whatever their storage: the query/key forms are the ones
+QK-Clip detects (``_clip.kernel_forms.detect``: 2-D head-major, DenseGeneral, fused q|k|v, declared
 ``Projection(axes=...)``, logical axis names; stacked layers batched); a value projection has
 the forms of a key projection, and an output projection ``(heads * head_dim, dim)`` or
 ``(heads, head_dim, dim)`` their mirror image.
@@ -23,16 +23,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._attention_modules import attention_modules, leaves_by_module, names_under
-from ._boxes import names_by_path
-from ._equinox import storage_axes
-from ._layouts import GQALayout, MLALayout, check_layout
-from ._matrix_axes import MatrixAxes, MatrixAxesSpec
-from ._muon_blocks import MODES, Blocks, blocks_for, whole
-from ._paths import join, path_str
-from ._projection import Projection, as_projection, axes_from_logical, fits_declared
-from ._projections import DECLARED, DENSE_GENERAL, HEAD_MAJOR, Found, detect
-from ._routing import matrix_axes_lookup
+from .._clip import (as_projection, attention_modules, axes_from_logical, check_layout, DECLARED,
+                     DENSE_GENERAL, detect, fits_declared, Found, GQALayout, HEAD_MAJOR, leaves_by_module,
+                     MLALayout, names_under, Projection, storage_axes)
+from .._util import join, MatrixAxes, MatrixAxesSpec, names_by_path, path_str
+from .blocks import Blocks, blocks_for, MODES, whole
+from .matrix_axes_rules import matrix_axes_lookup
 
 
 def check_blocks(muon_blocks: Any, layout: Any, name: str = "scale_by_muon") -> None:
@@ -50,7 +46,7 @@ def check_blocks(muon_blocks: Any, layout: Any, name: str = "scale_by_muon") -> 
 
 
 def _form_axes(found: Found) -> tuple[str, ...]:
-  """A detected query/key kernel's axes, one name per axis (``_projection.AXES``)."""
+  """A detected query/key kernel's axes, one name per axis (``_clip.projection.AXES``)."""
   lead = ("layers",) * len(found.stack)
   if found.form == DECLARED:
     return found.spec.axes

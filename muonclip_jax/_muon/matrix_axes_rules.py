@@ -1,6 +1,6 @@
 """Which axes of a parameter form the matrix that Muon orthogonalizes.
 
-Which parameters go to Muon at all is ``_labels``. Decisions depend on paths, shapes and
+Which parameters go to Muon at all is ``_muon.labels``. Decisions depend on paths, shapes and
 logical axis names only, never on values.
 """
 
@@ -13,12 +13,9 @@ from typing import Any
 import jax
 import optax
 
-from ._boxes import is_box, leaf_shape, logical_names, names_by_path
-from ._equinox import storage_axes
-from ._logical_axes import HEAD_AXIS_NAMES, LAYER_NAMES
-from ._matrix_axes import MatrixAxes, MatrixAxesSpec
-from ._paths import path_str
-from ._projection import declared_matrix_axes
+from .._util import (HEAD_AXIS_NAMES, is_box, LAYER_NAMES, leaf_shape, logical_names, MatrixAxes,
+                     MatrixAxesSpec, names_by_path, path_str)
+from .._clip import declared_matrix_axes, storage_axes
 
 # Logical axis names (Flax's nn.with_logical_partitioning, NNX sharding metadata).
 LAYERS = "layers"  # the name the hints suggest for a stacked-layer axis

@@ -22,18 +22,13 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from . import _newton_schulz
-from ._boxes import MetadataMemo
-from ._frozen_leaves import skip_frozen_leaves
-from ._checks import check_bool, check_number
-from ._matrix_axes import MatrixAxesSpec
-from ._paths import path_str
-from ._distributed_ns import check_target, orthogonalize_leaves_sharded
-from ._block_orthogonalize import orthogonalize_blocks
-from ._layout_matrices import check_blocks, muon_blocks_lookup
-from ._muon_blocks import piece_dims
-from ._ns_batching import orthogonalize_leaves
-from ._layouts import LayoutSpec
+from .._util import check_bool, check_number, MatrixAxesSpec, MetadataMemo, path_str, skip_frozen_leaves
+from .._orthogonalize import (check_target, orthogonalize_leaves, orthogonalize_leaves_sharded, resolve_coeffs,
+                              resolve_options)
+from .block_orthogonalize import orthogonalize_blocks
+from .layout_matrices import check_blocks, muon_blocks_lookup
+from .blocks import piece_dims
+from .._clip import LayoutSpec
 
 RMS_MODES = ("moonlight", "keller", None)
 
@@ -199,13 +194,13 @@ def scale_by_muon(
       a group of devices (its Gram matrix all-reduced, the ``m x m`` iteration split by
       rows; see ``shard_split``).
     shard_split: static, with ``shard_orthogonalization`` only. ``"auto"`` (default): the
-      planner splits a matrix where its model of an H100 with NVLink (``_ns_cost``)
+      planner splits a matrix where its model of an H100 with NVLink (``_orthogonalize.cost``)
       estimates a shorter step, else keeps it whole; ``"always"``: split wherever that
       lowers the most loaded device's FLOPs, whatever the traffic; ``"never"``: every
       matrix whole. Not with a traced ``ns_steps`` or with ``ns_restarts`` (then whole).
 
   Non-float leaves (integers, booleans, with integer or ``float0`` gradients) and zero-size
-  leaves get a zero update and no momentum (``_frozen_leaves``).
+  leaves get a zero update and no momentum (``_util.frozen_leaves``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state holds only the momentum.
@@ -237,8 +232,8 @@ def scale_by_muon(
   check_blocks(muon_blocks, layout)
   if shard_split not in ("auto", "always", "never"):
     raise ValueError(f"shard_split must be 'auto', 'always' or 'never', got {shard_split!r}")
-  _newton_schulz.resolve_coeffs(ns_coeffs, ns_steps)  # validates both
-  _newton_schulz.resolve_options(ns_coeffs, ns_steps, ns_method, ns_normalize, ns_restarts)
+  resolve_coeffs(ns_coeffs, ns_steps)  # validates both
+  resolve_options(ns_coeffs, ns_steps, ns_method, ns_normalize, ns_restarts)
   if isinstance(ns_batch, jax.Array):
     raise ValueError("ns_batch is static: under optax.inject_hyperparams pass static_args=('ns_batch',), "
                      f"got {ns_batch!r}")

@@ -18,14 +18,14 @@ per matrix:
   product's temporaries grow with it. On an accelerator every iteration of a loop costs a
   fixed overhead (measured on an H200: about 0.1 ms, ``benchmarks/RESULTS.md``), so a call
   takes as many matrices as make ``CALL_FLOPS`` (``ns_flops``), about a millisecond of an
-  H100's dense bf16 peak (``_ns_cost.H100_NVLINK``): the overhead stays near a tenth.
+  H100's dense bf16 peak (``_orthogonalize.cost.H100_NVLINK``): the overhead stays near a tenth.
 * **matrix size** enters only there. A loop reads its matrices in place (``lax.switch`` on
   the iteration picks them), so stacking copies nothing on the way in; on the way out the
   loop's stacked result is sliced into the leaves, one pass over each matrix against
   Newton–Schulz's ``O(steps min(m, n))`` operations per element.
 
 The loops run one after another, each waiting for the previous one's results
-(``_sequence.after``). Their stacked results are the default's extra temporary memory: at
+(``_util.sequence.after``). Their stacked results are the default's extra temporary memory: at
 most one copy of the stacked matrices' updates (XLA keeps them until the leaves are
 finished). Grouping does not change the results here (the same products inside a loop:
 ``tests/test_ns_batching.py`` measured 0 ulps on XLA:CPU, and bounds them).
@@ -45,9 +45,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _newton_schulz
-from ._matrix_axes import from_matrices, to_matrices
-from ._sequence import after
+from .newton_schulz import newton_schulz, ns_flops
+from .._util import after, from_matrices, to_matrices
 
 STACKS = 8  # a shape's matrices go into at most this many stacks
 MIN_STACK = 8  # fewer matrices of a shape than this are not stacked
@@ -98,7 +97,7 @@ def per_call(m: int, n: int, size: int, ns_kwargs: dict) -> int:
   steps = ns_kwargs.get("steps")
   kw = dict(steps=None if isinstance(steps, jax.core.Tracer) else steps, coeffs=ns_kwargs.get("coeffs", "muon"),
             method=ns_kwargs.get("method", "standard"), restarts=ns_kwargs.get("restarts", ()))
-  return max(1, min(size, int(CALL_FLOPS // max(1, _newton_schulz.ns_flops((m, n), **kw)))))
+  return max(1, min(size, int(CALL_FLOPS // max(1, ns_flops((m, n), **kw)))))
 
 
 def orthogonalize_leaves(gs: list, ms: list, specs: list, direction: Callable, finish: Callable, *,
@@ -121,7 +120,7 @@ def orthogonalize_leaves(gs: list, ms: list, specs: list, direction: Callable, f
     tall.append(r > c)
 
   def ns(x):
-    return _newton_schulz.newton_schulz(x, **ns_kwargs)
+    return newton_schulz(x, **ns_kwargs)
 
   result = [None] * len(gs)
   prev: list = []

@@ -4,7 +4,7 @@ or the largest ones split over a group of devices.
 Under plain SPMD each matrix is orthogonalized in its parameter's layout, and every device
 that does not shard it repeats the work (the products ``X X^T`` and ``A A`` are replicated
 over every mesh axis not sharding the matrix). Here, inside one ``shard_map`` over the mesh,
-with the placement of ``_ns_planner.plan`` (LPT by FLOPs over every matrix, whatever its
+with the placement of ``_orthogonalize.planner.plan`` (LPT by FLOPs over every matrix, whatever its
 shape; an expert stack ``(E, in, out)`` is ``E`` matrices), for each class of matrices (one
 layout: the mesh axes ``S`` sharding its rows and columns, the others ``R`` replicating it;
 one dtype):
@@ -22,14 +22,14 @@ one dtype):
    every result, in the parameter's own sharding.
 
 Zero padding only fills each buffer row up to the fullest device's; the planner keeps the
-total traffic within that of the shape-by-shape grouping (``_ns_planner``: each device takes
+total traffic within that of the shape-by-shape grouping (``_orthogonalize.planner``: each device takes
 at most ``ceil(c / D)`` of the ``c`` matrices of a shape). Moonlight's distributed Muon
 (arXiv 2502.16982) instead gathers every matrix on every data-parallel rank and repeats the
 iteration there. Leaves whose sharding is unknown (a bare ``Mesh``) or not a block layout
 are gathered first and come back replicated.
 
-With ``ns_kwargs`` the plan is ``_ns_hybrid``'s: matrices too large for whole placement to
-balance may be split over device groups (``_run_split``, ``_split_ns``) in the same
+With ``ns_kwargs`` the plan is ``_orthogonalize.hybrid``'s: matrices too large for whole placement to
+balance may be split over device groups (``_run_split``, ``_orthogonalize.split``) in the same
 ``shard_map``, after the whole ones.
 """
 
@@ -44,12 +44,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _newton_schulz
-from . import _ns_hybrid as hybrid
-from . import _ns_planner as planner
-from . import _split_ns
-from ._matrix_axes import from_matrices, to_matrices
-from ._paths import path_str
+from . import hybrid, planner
+from .newton_schulz import newton_schulz, ns_flops
+from .split import cost, iterate, resolve
+from .._util import from_matrices, path_str, to_matrices
 
 
 def mesh_of(shardings: Any) -> Mesh:
@@ -107,7 +105,7 @@ def _pack(pieces: list[jax.Array], width: int, dtype: Any, lead: int) -> jax.Arr
 
 
 def _run_split(sp: hybrid.Split, wides: list, it: dict, mesh: Mesh) -> dict:
-  """``{(leaf, k): local result block}`` of a split group (``_ns_hybrid``'s steps 1-4)."""
+  """``{(leaf, k): local result block}`` of a split group (``_orthogonalize.hybrid``'s steps 1-4)."""
   blocks = [wides[i][k] for i, k in sp.matrices]
   blk = jnp.stack(blocks + [jnp.zeros_like(blocks[0])])  # the last one: padding
   o = jax.lax.axis_index(sp.outer) if sp.outer else 0
@@ -118,7 +116,7 @@ def _run_split(sp: hybrid.Split, wides: list, it: dict, mesh: Mesh) -> dict:
   if sp.g_r > 1:
     x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(sp.group_rep) * w, w, axis=2)
   group = tuple(a for a in mesh.axis_names if a in sp.rows + sp.cols + sp.group_rep)
-  y = _split_ns.iterate(x, it, group, sp.g)
+  y = iterate(x, it, group, sp.g)
   if sp.g_r > 1:
     y = jax.lax.all_gather(y, sp.group_rep, axis=2, tiled=True)
   if sp.n_row > 1:
@@ -215,7 +213,7 @@ def _executor(leaves: list[planner.Leaf], hplan: hybrid.HybridPlan, mesh: Mesh, 
 
 def default_flops(m: int, n: int) -> float:
   """Placement weight of an ``m x n`` matrix when none is given: 5 quintic steps."""
-  return float(_newton_schulz.ns_flops((m, n)))
+  return float(ns_flops((m, n)))
 
 
 def orthogonalize_sharded(xs: Sequence[jax.Array], axes: Sequence[tuple], ns: Callable[[jax.Array], jax.Array],
@@ -237,8 +235,8 @@ def orthogonalize_sharded(xs: Sequence[jax.Array], axes: Sequence[tuple], ns: Ca
       (``default_flops`` if None).
     ns_kwargs: when ``ns`` is ``newton_schulz(**ns_kwargs)``, those arguments: then a
       matrix too large for whole-matrix placement may be split over a device group
-      (``_ns_hybrid``, ``_split_ns``). None: every matrix whole.
-    shard_split: ``"auto"`` (split where the ``_ns_cost`` H100 model says it pays), ``"always"``
+      (``_orthogonalize.hybrid``, ``_orthogonalize.split``). None: every matrix whole.
+    shard_split: ``"auto"`` (split where the ``_orthogonalize.cost`` H100 model says it pays), ``"always"``
       (wherever it lowers the most loaded device's FLOPs) or ``"never"``.
 
   Returns:
@@ -268,7 +266,7 @@ def orthogonalize_sharded(xs: Sequence[jax.Array], axes: Sequence[tuple], ns: Ca
   if mesh.size == 1:
     return [_from_wide(lf, ns(_to_wide(lf, x)), x.shape) for x, lf in zip(xs, leaves)]
   hplan = plan_of(leaves, mesh, flops, ns_kwargs, shard_split)
-  split_iter = None if ns_kwargs is None else (lambda m, n: _split_ns.resolve(ns_kwargs, m, n))
+  split_iter = None if ns_kwargs is None else (lambda m, n: resolve(ns_kwargs, m, n))
   specs = tuple(P(*lf.spec) for lf in leaves)
   fn = jax.shard_map(_executor(leaves, hplan, mesh, ns, split_iter), mesh=mesh, in_specs=specs, out_specs=specs,
                      check_vma=False)
@@ -276,17 +274,17 @@ def orthogonalize_sharded(xs: Sequence[jax.Array], axes: Sequence[tuple], ns: Ca
 
 
 def split_cost_of(ns_kwargs: dict | None) -> hybrid.SplitCost | None:
-  """``_ns_hybrid``'s split cost of ``newton_schulz(**ns_kwargs)`` (None: never split)."""
+  """``_orthogonalize.hybrid``'s split cost of ``newton_schulz(**ns_kwargs)`` (None: never split)."""
   if ns_kwargs is None:
     return None
   cd = ns_kwargs.get("compute_dtype")
 
-  def cost(m: int, n: int, g: int, itemsize: int):
-    it = _split_ns.resolve(ns_kwargs, m, n)
+  def group_cost(m: int, n: int, g: int, itemsize: int):
+    it = resolve(ns_kwargs, m, n)
     size = jnp.dtype(cd).itemsize if cd is not None else itemsize
-    return None if it is None else _split_ns.cost(it, m, n, g, size)
+    return None if it is None else cost(it, m, n, g, size)
 
-  return cost
+  return group_cost
 
 
 def plan_of(leaves: list[planner.Leaf], mesh: Mesh, flops: Callable | None, ns_kwargs: dict | None,
@@ -303,7 +301,7 @@ def ns_flops_of(ns_kwargs: dict) -> Callable[[int, int], float]:
     steps = None
   kw = dict(steps=steps, coeffs=ns_kwargs.get("coeffs", "muon"), method=ns_kwargs.get("method", "standard"),
             restarts=ns_kwargs.get("restarts", ()))
-  return lambda m, n: float(_newton_schulz.ns_flops((m, n), **kw))
+  return lambda m, n: float(ns_flops((m, n), **kw))
 
 
 def orthogonalize_leaves_sharded(gs: list, ms: list, axes: list, direction: Callable, finish: Callable, *,
@@ -320,7 +318,7 @@ def orthogonalize_leaves_sharded(gs: list, ms: list, axes: list, direction: Call
     table = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(target)[0]}
     shardings = [table.get(p) for p in paths]
   ds = [direction(g, m) for g, m in zip(gs, ms)]
-  out = orthogonalize_sharded(ds, axes, lambda x: _newton_schulz.newton_schulz(x, **ns_kwargs), mesh=mesh,
+  out = orthogonalize_sharded(ds, axes, lambda x: newton_schulz(x, **ns_kwargs), mesh=mesh,
                               shardings=shardings, flops=ns_flops_of(ns_kwargs), ns_kwargs=ns_kwargs,
                               shard_split=split)
   return [finish(i, o) for i, o in enumerate(out)]

@@ -1,27 +1,27 @@
 """Hybrid plan: whole matrices by LPT, the largest ones split over device groups.
 
 Whole-matrix placement cannot bring the most loaded device below its largest matrix
-(``_ns_planner``: LPT's bound is ``ideal + largest``). Here every matrix of a ``(class, m,
+(``_orthogonalize.planner``: LPT's bound is ``ideal + largest``). Here every matrix of a ``(class, m,
 n)`` group whose FLOPs exceed a share of the ideal ``total / D`` may instead be split
-(``_split_ns``) over a *device group*: the ``s`` devices that shard its layout (rows axes
+(``_orthogonalize.split``) over a *device group*: the ``s`` devices that shard its layout (rows axes
 ``Sr``, columns axes ``Sc``), times ``g_r`` devices of a subset ``G`` of the axes ``R`` that
 replicate it; ``g = s g_r``. Each device of a group holds a column slab ``m x n/g``. The
 other replicating axes ``O = R - G`` index ``n_out`` groups that run side by side, each on
 ``q = ceil(c / n_out)`` of the group's ``c`` matrices (zero-padded: every group runs ``q``).
 
-Per device and group, the data movement (all exactly as executed by ``_distributed_ns``):
+Per device and group, the data movement (all exactly as executed by ``_orthogonalize.distributed``):
 
 1. select the group's ``q`` matrices (local: the data is replicated over ``R``);
 2. ``all_to_all`` over ``Sr``: blocks ``(bm, bn)`` -> slabs ``(m, bn / n_row)``; a slice
    over ``G`` (local);
-3. the split iteration (its all-reduces and all-gathers, ``_split_ns.cost``);
+3. the split iteration (its all-reduces and all-gathers, ``_orthogonalize.split.cost``);
 4. ``all_gather`` over ``G``, the inverse ``all_to_all`` over ``Sr``, and an ``all_gather``
    over ``O``: every device gets its block of every result, in the parameter's sharding.
 
 The plan tries no split and splitting every group above ``t`` times the ideal, for a few
 ``t``; for each split group the subset ``G`` with the least estimated time (FLOPs and bytes
 on the device model). It keeps the
-option with the least estimated step time on a device model (``_ns_cost``; ``split="auto"``),
+option with the least estimated step time on a device model (``_orthogonalize.cost``; ``split="auto"``),
 so whole matrices stay whole where splitting would not pay, or the fewest FLOPs on the most
 loaded device (``split="always"``; an option splitting more groups must save 2%), or never
 splits (``split="never"``).
@@ -34,8 +34,8 @@ import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
-from . import _ns_cost
-from . import _ns_planner as planner
+from . import planner
+from .cost import H100_NVLINK, Device
 
 SPLIT_CHOICES = ("auto", "always", "never")
 THRESHOLDS = (2.0, 1.0, 0.5, 0.25, 0.1)  # split groups whose matrices exceed t * ideal
@@ -112,7 +112,7 @@ class HybridPlan:
     n = sum(2 * (c.s > 1) + (c.n_rep > 1) for c in self.whole.classes)
     return n + sum(len(s.collectives) for s in self.splits)
 
-  def step_s(self, device: _ns_cost.Device) -> float:
+  def step_s(self, device: Device) -> float:
     return device.step_s(self.max_flops, self.comm)
 
 
@@ -122,7 +122,7 @@ def _subsets(axes: Sequence[str]):
 
 
 def _split(key: tuple, m: int, n: int, mats: list, mesh: Mapping[str, int], itemsize: int, cost: SplitCost,
-           device: _ns_cost.Device) -> Split | None:
+           device: Device) -> Split | None:
   """The group's split with the least estimated time, or None if it cannot be split."""
   rows, cols, _ = key
   rep = tuple(a for a in mesh if mesh[a] > 1 and a not in rows + cols)
@@ -154,7 +154,7 @@ def _split(key: tuple, m: int, n: int, mats: list, mesh: Mapping[str, int], item
 
 def plan(leaves: Sequence[planner.Leaf], mesh: Mapping[str, int], flops: planner.Flops, *,
          split_cost: SplitCost | None = None, split: str = "auto",
-         device: _ns_cost.Device = _ns_cost.H100_NVLINK) -> HybridPlan:
+         device: Device = H100_NVLINK) -> HybridPlan:
   """The hybrid plan (module docstring); ``split_cost`` None: whole matrices only."""
   if split not in SPLIT_CHOICES:
     raise ValueError(f"split must be one of {SPLIT_CHOICES}, got {split!r}")

@@ -2,7 +2,7 @@
 
 Pure Python, from shapes, matrix axes, ``PartitionSpec`` entries and mesh axis sizes
 alone (no JAX arrays, no compilation), so it simulates meshes far larger than the machine
-it runs on. ``_distributed_ns`` executes its plans; ``benchmarks/bench_sharding.py`` uses it
+it runs on. ``_orthogonalize.distributed`` executes its plans; ``benchmarks/bench_sharding.py`` uses it
 to simulate large meshes.
 
 The model. Every leaf is a stack of ``count`` matrices ``m x n`` (tall ones transposed,
@@ -277,7 +277,7 @@ def plan(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops, *, place
       ``"lpt"``: LPT without any cap (the whole-matrix bound); ``"grouped"``: the
       shape-by-shape placement (at most ``ceil(c / D)`` matrices of a shape per device),
       without zero-matrix padding.
-    skip: ``(class key, m, n)`` groups left out (split over device groups, ``_ns_hybrid``).
+    skip: ``(class key, m, n)`` groups left out (split over device groups, ``_orthogonalize.hybrid``).
   """
   axes = tuple(a for a in mesh if mesh[a] > 1)
   sizes = tuple(mesh[a] for a in axes)

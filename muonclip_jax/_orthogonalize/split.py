@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _newton_schulz as nsm
+from .newton_schulz import SYMMETRIC_MIN, apply_factor, divide_by_max, gram_of, schatten4_scale
+from .presets import GRAM_ASPECT, gram_restarts, resolve_coeffs, resolve_options, resolve_steps
 
 
 def resolve(ns_kwargs: dict, m: int, n: int) -> dict | None:
@@ -39,13 +40,13 @@ def resolve(ns_kwargs: dict, m: int, n: int) -> dict | None:
   steps = ns_kwargs.get("steps")
   if isinstance(steps, jax.core.Tracer):
     return None
-  steps = nsm.resolve_steps(steps, coeffs)
-  table, norm_scale = nsm.resolve_coeffs(coeffs, steps)
+  steps = resolve_steps(steps, coeffs)
+  table, norm_scale = resolve_coeffs(coeffs, steps)
   method = ns_kwargs.get("method", "standard")
-  normalize, restarts = nsm.resolve_options(coeffs, steps, method, ns_kwargs.get("normalize"),
+  normalize, restarts = resolve_options(coeffs, steps, method, ns_kwargs.get("normalize"),
                                             ns_kwargs.get("restarts", ()))
-  gram = method == "gram" or (method == "auto" and n >= nsm.GRAM_ASPECT * m)
-  if restarts or (gram and nsm.gram_restarts(coeffs, steps, restarts)):
+  gram = method == "gram" or (method == "auto" and n >= GRAM_ASPECT * m)
+  if restarts or (gram and gram_restarts(coeffs, steps, restarts)):
     return None
   return dict(steps=steps, table=table, norm_scale=norm_scale, schatten4=normalize == "schatten4", gram=gram,
               eps=ns_kwargs.get("eps", 1e-7), compute_dtype=ns_kwargs.get("compute_dtype"))
@@ -68,7 +69,7 @@ def cost(it: dict, m: int, n: int, g: int, itemsize: int) -> tuple[float, list[t
   """
   w, r, h = n // g, m // g, _half(g)
   K = it["steps"]
-  sym = 0.75 if m >= nsm.SYMMETRIC_MIN and m % 2 == 0 else 1.0
+  sym = 0.75 if m >= SYMMETRIC_MIN and m % 2 == 0 else 1.0
   half = 2 * h * r * r * m  # a symmetric m x m product from row blocks (``_sym_full``)
   half_bytes = g * h * r * r
   amax = [("all-reduce", 4, g)]  # the largest magnitude (pmax), one float32 per matrix
@@ -122,17 +123,17 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
   xf = x.astype(jnp.float32)
   amax = jax.lax.pmax(jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True), axes)
   amax = jnp.where(amax > 0, amax, 1.0)
-  y = nsm.divide_by_max(xf, amax)  # |y| <= 4: no square overflows (see newton_schulz)
+  y = divide_by_max(xf, amax)  # |y| <= 4: no square overflows (see newton_schulz)
   floor = eps / amax
   X = y.astype(dtype)
-  gram_f = lambda X, t=None: jax.lax.psum(nsm.gram_of(X, False, t), axes)
+  gram_f = lambda X, t=None: jax.lax.psum(gram_of(X, False, t), axes)
   A = gram_f(X, jnp.float32)  # X X^T of x / max |x|, float32: its trace is the squared norm
   fro = jnp.sqrt(jnp.trace(A, axis1=-2, axis2=-1))[..., None, None]
   denom = fro * (1.0 if it["schatten4"] else it["norm_scale"]) + floor
   X = (y / denom).astype(dtype)
   A = A / (denom * denom)
   if it["schatten4"]:
-    s = nsm.schatten4_scale(A, it["norm_scale"], eps)
+    s = schatten4_scale(A, it["norm_scale"], eps)
     A = A / (s * s)
     X = (X.astype(jnp.float32) / s).astype(dtype)
   if not it["gram"]:
@@ -154,4 +155,4 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
     if k + 1 < K:
       R = _sym_full(jnp.matmul(R_rows, H), H, p, g, axes)  # R H H = H R H
   Q = jax.lax.all_gather(Q_rows, axes, axis=1, tiled=True)
-  return nsm.apply_factor(Q, X, False).astype(x.dtype)
+  return apply_factor(Q, X, False).astype(x.dtype)

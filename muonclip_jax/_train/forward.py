@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._max_logits import collect_max_logits
+from .._clip import collect_max_logits
 
 LossFn = Callable[..., tuple[jax.Array, Any]]
 

@@ -13,10 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._accumulation import merge_max_logits
-from ._max_logits import nest_max_logits
-from ._opt_state_view import OptStateView
-from ._qk_clip import clip_decisions, no_clip_decisions, qk_clip_stats, threshold_or_nan
+from .._clip import (clip_decisions, merge_max_logits, nest_max_logits, no_clip_decisions, qk_clip_stats,
+                     threshold_or_nan)
+from .opt_state_view import OptStateView
 
 
 def step_threshold(given: Any, before: OptStateView, after: OptStateView,

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._accumulation import merge_max_logits
+from .._clip import merge_max_logits
 
 
 def split_leading(x: jax.Array, k: int) -> jax.Array:

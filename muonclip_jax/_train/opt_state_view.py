@@ -20,9 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._accumulation import MultiStepsMaxLogitsState
-from ._max_logits import collect_max_logits
-from ._muonclip import QKClipState
+from .._clip import collect_max_logits, MultiStepsMaxLogitsState, QKClipState
 
 
 class OptStateView(NamedTuple):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.core import meta as flax_meta
 
-from ._paths import path_str
+from .paths import path_str
 
 
 def is_box(x: Any) -> bool:

@@ -2,8 +2,8 @@
 ``sharding`` metadata, MaxText's names), in one list.
 
 Each declared axis role of a ``Projection`` has the names that stand for it; the routing
-(``_labels``), Muon's matrix axes (``_routing``) and the clip's kernel forms
-(``_projection``) all read them from here.
+(``_muon.labels``), Muon's matrix axes (``_muon.matrix_axes_rules``) and the clip's kernel forms
+(``_clip.projection``) all read them from here.
 """
 
 from __future__ import annotations

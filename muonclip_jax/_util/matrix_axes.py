@@ -1,7 +1,7 @@
 """``MatrixAxes``: which axes of a parameter are the rows and columns of Muon's matrix.
 
 ``to_matrices``/``from_matrices`` turn a leaf into the ``(count, rows, cols)`` stack of its
-matrices and back; Muon (``_muon``) and the distributed Newton–Schulz (``_distributed_ns``)
+matrices and back; Muon (``_muon``) and the distributed Newton–Schulz (``_orthogonalize.distributed``)
 both use them.
 """
 

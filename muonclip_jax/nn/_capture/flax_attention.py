@@ -27,7 +27,7 @@ otherwise). The sown maximum is of ``s`` before the cap: the cap hides the growt
 
 Which module: Linen calls ``attention_fn`` from inside the module's ``__call__``, so the
 function finds the calling module itself (through Flax's private module stack, see
-``_flax_private``: a Flax release that moves it makes this raise, never sow nothing);
+``_capture.flax_private``: a Flax release that moves it makes this raise, never sow nothing);
 ``attention_fn=`` alone is enough.
 ``nnx.MultiHeadAttention`` hands its module over only when called with
 ``sow_weights=True`` (``module=self``), which with this function sows ``max_logits``
@@ -73,16 +73,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._checks import check_bool
-from ._attention import ATTENTION_IMPLS, attention
-from ._flax_private import check_module, linen_calling_module
-from ._masking import head_max
-from ._soft_cap import check_soft_cap, soft_cap
-from ._sow import capturing, sow_head_max
+from ..._util import check_bool
+from .._attention import attention, ATTENTION_IMPLS
+from .flax_private import check_module, linen_calling_module
+from .._impl import check_soft_cap, head_max, soft_cap
+from .sow import capturing, sow_head_max
 
 
 def _calling_module(module: Any) -> Any:
-  """``module``, or the Linen module whose method is running (see ``_flax_private``), or None."""
+  """``module``, or the Linen module whose method is running (see ``_capture.flax_private``), or None."""
   if module is not None:
     return check_module(module, "dot_product_attention")
   return linen_calling_module()

@@ -15,7 +15,7 @@ Llama, which import it into their modules and have no ``attention_fn`` hook) nee
   hf_llama.dot_product_attention_weights = muonclip_jax.nn.dot_product_attention_weights
 
 Such code passes no ``module=``: the calling Linen module is found on Flax's module stack
-(``_flax_private``), so the maximum lands next to the module's ``q_proj``/``k_proj`` (or
+(``_capture.flax_private``), so the maximum lands next to the module's ``q_proj``/``k_proj`` (or
 ``c_attn``), where ``qk_clip`` looks. With ``module=`` it sows there (Linen or NNX) instead
 of Flax's ``attention_weights``. Nothing is computed unless ``intermediates`` is captured.
 
@@ -33,10 +33,10 @@ import flax.linen as flax_nn
 import jax
 import jax.numpy as jnp
 
-from .._checks import check_bool
-from ._flax_private import check_module, linen_calling_module
-from ._masking import head_max
-from ._sow import capturing, sow_head_max
+from ..._util import check_bool
+from .flax_private import check_module, linen_calling_module
+from .._impl import head_max
+from .sow import capturing, sow_head_max
 
 
 def dot_product_attention_weights(

@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ._flax_private import check_module, nnx_capturing
-from ._masking import head_max
+from .flax_private import check_module, nnx_capturing
+from .._impl import head_max
 
 
 def capturing(module: Any) -> bool:

@@ -20,7 +20,7 @@ import logging
 
 import jax
 
-from . import _tokamax_adapter
+from . import tokamax_adapter
 
 logger = logging.getLogger("muonclip_jax")
 
@@ -45,11 +45,11 @@ def resolve_impl(q, k, v, *, mask=None, is_causal: bool = False, backend: str | 
   if logits_soft_cap is not None and (return_max_logits or backend != "tpu"):
     _log_fallback("dense", "only 'dense' applies a logits_soft_cap here and keeps the maxima before it")
     return "dense"
-  has_tokamax = _tokamax_adapter.version() is not None
+  has_tokamax = tokamax_adapter.version() is not None
   if backend == "tpu":
     reason = None
     if not has_tokamax:
-      reason = f"tokamax is not installed ({_tokamax_adapter.EXTRA})"
+      reason = f"tokamax is not installed ({tokamax_adapter.EXTRA})"
     elif mask is not None:
       reason = "splash cannot take an explicit (B, H, Tq, Tk) mask array"
     elif is_causal and q.shape[1] > k.shape[1]:
@@ -60,5 +60,5 @@ def resolve_impl(q, k, v, *, mask=None, is_causal: bool = False, backend: str | 
     return "chunked"
   if has_tokamax:  # GPU
     return "tokamax_gpu"
-  _log_fallback("dpa_max", f"tokamax is not installed ({_tokamax_adapter.EXTRA})")
+  _log_fallback("dpa_max", f"tokamax is not installed ({tokamax_adapter.EXTRA})")
   return "dpa_max"

@@ -7,7 +7,7 @@ running row maximum ``m_i = max_j s_{ij}`` is exactly the row's max logit, so th
 is one extra reduction of ``m`` over batch and queries; no second pass over ``Q K^T``.
 (The log-sum-exp is not the max: ``max <= LSE <= max + log Tk``.)
 
-Same contract as ``dense_attention`` (masks as in ``_masking``, float32 statistics, zeros
+Same contract as ``dense_attention`` (masks as in ``_impl.masking``, float32 statistics, zeros
 for a row without any unmasked key).
 """
 
@@ -18,18 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ._masking import (
-    Static,
-    blocked,
-    check_and_prepare,
-    check_block_size,
-    group,
-    grouped_head_max,
-    key_side_blocks,
-    safe_shift,
-    scores,
-    to_blocks,
-)
+from .masking import (blocked, check_and_prepare, check_block_size, group, grouped_head_max, key_side_blocks,
+                      safe_shift, scores, Static, to_blocks)
 
 
 def _flash_forward(cfg: Static, qg, kb, vb, q_side, kb_side):

@@ -8,7 +8,7 @@ the number that enters the softmax; QK-Clip (Kimi K2, arXiv 2507.20534, Sec. 2.1
 maximum per head over batch, queries and unmasked keys. The row maximum that stabilizes
 the softmax is that maximum per row, so the capture is one more reduction. Memory is
 ``O(Tq * Tk)``; ``chunked_attention`` computes the same without materializing ``s``.
-Masks as in ``_masking``.
+Masks as in ``_impl.masking``.
 
 Numerics: logits, softmax statistics and accumulation are float32 whatever the input
 dtype (bf16 inputs feed the matmuls directly with float32 accumulation); the output has
@@ -22,8 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ._masking import Static, check_and_prepare, group, grouped_head_max, safe_shift, scores
-from ._soft_cap import check_soft_cap, soft_cap
+from .masking import check_and_prepare, group, grouped_head_max, safe_shift, scores, Static
+from .soft_cap import check_soft_cap, soft_cap
 
 
 def dense_attention(

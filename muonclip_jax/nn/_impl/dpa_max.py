@@ -28,19 +28,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ._masking import (
-    Static,
-    blocked,
-    check_and_prepare,
-    check_block_size,
-    dense_mask,
-    group,
-    grouped_head_max,
-    key_side_blocks,
-    pad_axis,
-    scores,
-    to_blocks,
-)
+from .masking import (blocked, check_and_prepare, check_block_size, dense_mask, group, grouped_head_max,
+                      key_side_blocks, pad_axis, scores, Static, to_blocks)
 
 
 def _max_only(cfg: Static, q, k, q_side, k_side, nb: int) -> jax.Array:

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .._checks import check_bool
+from ..._util import check_bool
 
 
 class QuerySide(NamedTuple):

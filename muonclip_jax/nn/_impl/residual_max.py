@@ -24,7 +24,7 @@ arXiv 2507.20534, Sec. 2.1):
   about 9 and loses digits well before: the inversion is not offered; callers raise.
 
 All conversions are elementwise, keep shape, and return float32 under ``stop_gradient``;
-``_masking.head_max`` then reduces the rows to the per-head maxima.
+``_impl.masking.head_max`` then reduces the rows to the per-head maxima.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ query row, the running maximum ``m_hi`` of its softmax inputs (``stats["max_logi
 in natural units). With queries pre-scaled by ``softmax_scale`` that is
 ``max_j s_hij`` over the row's visible keys, the quantity QK-Clip needs (Kimi K2,
 arXiv 2507.20534, Sec. 2.1); the capture is a reduction of ``m`` over batch and rows
-and costs no second ``Q K^T`` pass. Conversions (``_residual_max``): a row with no
+and costs no second ``Q K^T`` pass. Conversions (``_impl.residual_max``): a row with no
 visible key reports splash's finite mask value, which becomes ``-inf``.
 
 How our contract maps onto the kernel (read from tokamax 0.0.12 and 0.0.17, and
@@ -39,10 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._checks import check_bool
-from . import _tokamax_adapter
-from ._masking import check_and_prepare, head_max
-from ._residual_max import row_max_from_residual
+from ..._util import check_bool
+from .masking import check_and_prepare, head_max
+from .residual_max import row_max_from_residual
+from . import tokamax_adapter
 
 LANES = 128  # splash's block sizes must be multiples of the TPU lane width
 
@@ -190,7 +190,7 @@ def splash_attention(
   check_bool("splash_attention: interpret", interpret, allow_none=True)
   if interpret is None:
     interpret = _default_interpret(jax.default_backend())
-  kernel_lib, mask_lib, base = _tokamax_adapter.splash_modules("impl='splash'")
+  kernel_lib, mask_lib, base = tokamax_adapter.splash_modules("impl='splash'")
   bq, bkv = _block(block_size, tq), _block(block_size, tk)
   tq_p, tk_p = _round_up(tq, bq), _round_up(tk, bkv)
   empty = _first_static_empty_row(tq_p, tk_p, is_causal=bool(is_causal), window=window, offset=tk - tq)
@@ -217,11 +217,11 @@ def splash_attention(
 
   if ids is None:
     fn = lambda q, k, v: jax.vmap(lambda q, k, v: kernel(q, k, v))(q, k, v)
-    out, stats = _tokamax_adapter.allowing_rank_promotion(fn)(qh, kh, vh)
+    out, stats = tokamax_adapter.allowing_rank_promotion(fn)(qh, kh, vh)
   else:
     run = lambda q, k, v, sq, sk: kernel(q, k, v, segment_ids=base.SegmentIds(q=sq, kv=sk))
     fn = lambda q, k, v: jax.vmap(run)(q, k, v, *ids)
-    out, stats = _tokamax_adapter.allowing_rank_promotion(fn)(qh, kh, vh)
+    out, stats = tokamax_adapter.allowing_rank_promotion(fn)(qh, kh, vh)
   row_max = row_max_from_residual(stats["max_logits"][:, :, :tq])  # (B, H, Tq)
   visible = ~jnp.isneginf(row_max)
   out = jnp.where(visible[..., None], out[:, :, :tq], 0)

@@ -37,9 +37,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import _tokamax_adapter
-from ._masking import Static, check_and_prepare, dense_mask, head_max
-from ._residual_max import row_max_from_residual
+from . import tokamax_adapter
+from .masking import check_and_prepare, dense_mask, head_max, Static
+from .residual_max import row_max_from_residual
 
 GPU_IMPLEMENTATIONS = ("mosaic_gpu", "triton")
 
@@ -111,7 +111,7 @@ def tokamax_gpu_attention(
     backend = jax.default_backend()
     implementation = default_implementation(
         backend, _device_capability() if backend == "gpu" else None)
-  ops = _tokamax_adapter.attention_implementations("impl='tokamax_gpu'")
+  ops = tokamax_adapter.attention_implementations("impl='tokamax_gpu'")
   if implementation not in ops or implementation not in GPU_IMPLEMENTATIONS + ("xla",):
     raise ValueError(
         f"attention(impl='tokamax_gpu'): implementation {implementation!r} is not available; tokamax "
@@ -128,7 +128,7 @@ def tokamax_gpu_attention(
   allowed = dense_mask(cfg, q_side, k_side)
   run = lambda q, k, v: op(q, k, v, logits_scale=float(softmax_scale), mask=allowed,
                           is_causal=bool(is_causal) and tq == tk, return_residuals=True)
-  out, (m, _) = _tokamax_adapter.allowing_rank_promotion(run)(q, k, v)
+  out, (m, _) = tokamax_adapter.allowing_rank_promotion(run)(q, k, v)
   row_max = row_max_from_residual(
       m, log2_units=implementation == "triton" and bool(getattr(op, "use_base2", False)))
   visible = jnp.swapaxes(~jnp.isneginf(row_max), 1, 2)  # (B, Tq, H)
