@@ -239,7 +239,7 @@ def tokamax_on_cpu(args) -> None:
   except ImportError:
     print("\n## tokamax on the CPU: SKIPPED (tokamax not installed: pip install 'muonclip_jax[tokamax]')")
     return
-  from muonclip_jax.nn._splash import splash_attention  # its interpret=False: lowering for TPU
+  from muonclip_jax.nn._impl.splash import splash_attention  # its interpret=False: lowering for TPU
 
   print("\n## tokamax on the CPU: equality with dense (no speed: splash runs in Pallas "
         "interpret mode here)\n")

@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 from optax import contrib
 
 import muonclip_jax as mc
-from muonclip_jax import _ns_batching as nb
+from muonclip_jax._orthogonalize import batching
 
 
 def gpt_layer(d: int = 256, ff: int = 1024) -> dict:
@@ -79,15 +79,15 @@ def contenders(sharded: Mesh | None, params: dict) -> dict:
 
 
 def _with_budget(budget: float) -> optax.GradientTransformation:
-  """``mc.muon_adamw`` whose update traces with ``_ns_batching.CALL_FLOPS = budget``."""
+  """``mc.muon_adamw`` whose update traces with ``_orthogonalize.batching.CALL_FLOPS = budget``."""
   opt = mc.muon_adamw(1e-3)
 
   def update(updates, state, params=None):
-    saved, nb.CALL_FLOPS = nb.CALL_FLOPS, budget
+    saved, batching.CALL_FLOPS = batching.CALL_FLOPS, budget
     try:
       return opt.update(updates, state, params)
     finally:
-      nb.CALL_FLOPS = saved
+      batching.CALL_FLOPS = saved
 
   return optax.GradientTransformation(opt.init, update)
 

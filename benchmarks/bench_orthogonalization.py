@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import muonclip_jax as mc  # noqa: E402
 from bench_muon import gpt2_hidden_matrices  # noqa: E402
-from muonclip_jax import _newton_schulz as _ns  # noqa: E402
+from muonclip_jax._orthogonalize import ns_flops, presets  # noqa: E402
 
 CUTOFF = 3e-3  # singular values below this fraction of the Frobenius norm are left out of bands
 
@@ -68,7 +68,7 @@ def mla_hidden_matrices(layers: int, d: int = 1024, heads: int = 8, q_lora: int 
 
 def flops_of(params: dict, **kw) -> int:
   """Matmul FLOPs of the library's ``newton_schulz`` on every matrix (``ns_flops``)."""
-  return sum(_ns.ns_flops(x.shape, **kw) for x in jax.tree.leaves(params))
+  return sum(ns_flops(x.shape, **kw) for x in jax.tree.leaves(params))
 
 
 def optax_flops(params: dict, steps: int) -> int:
@@ -97,11 +97,11 @@ def plain_matmul_fn(params: dict):
 
 def _optax_table(preset: str) -> tuple[np.ndarray, str]:
   """The preset's coefficients for optax: the 1.02 norm scale folded into the first row."""
-  table, scale = _ns.resolve_coeffs(preset, None)
-  steps = _ns.resolve_steps(None, preset)
+  table, scale = presets.resolve_coeffs(preset, None)
+  steps = presets.resolve_steps(None, preset)
   rows = np.asarray([table[min(i, len(table) - 1)] for i in range(steps)], np.float64)
   rows[0] = rows[0] / np.asarray([scale, scale**3, scale**5])  # p(x / s)
-  return rows, _ns._PRESETS[preset].normalize
+  return rows, presets._PRESETS[preset].normalize
 
 
 def optax_muon(preset: str | None = None) -> optax.GradientTransformation:
@@ -188,8 +188,8 @@ def headline(params: dict, repeats: int, title: str) -> None:
 
 def presets_table(params: dict, repeats: int, title: str) -> None:
   contenders = {}
-  for preset in _ns.PRESETS:
-    steps = _ns.resolve_steps(None, preset)
+  for preset in presets.PRESETS:
+    steps = presets.resolve_steps(None, preset)
     contenders[f"optax.contrib.muon ({preset}, {steps})"] = (optax_muon(preset), optax_flops(params, steps))
     for method in ("standard", "auto"):
       contenders[f"muonclip_jax ({preset}, {steps}, {method})"] = (
@@ -314,7 +314,7 @@ def accuracy_row(fn, mats: list[np.ndarray], dtype) -> dict:
 
 def accuracy_table(real: list[np.ndarray], synthetic: list[np.ndarray], flops_params: dict) -> None:
   cases = [("optax.contrib.muon default", None, "standard", jnp.float32, None)]
-  for preset in _ns.PRESETS:
+  for preset in presets.PRESETS:
     for method in ("standard", "auto"):
       for dtype in (jnp.float32, jnp.bfloat16):
         cases.append((f"{preset}", preset, method, dtype, dtype))
@@ -331,7 +331,7 @@ def accuracy_table(real: list[np.ndarray], synthetic: list[np.ndarray], flops_pa
   print("|---|---|---|---|---|---|---|---|---|---|---|---|")
   base = None
   for name, preset, method, dtype, compute in cases:
-    steps = _ns.resolve_steps(None, preset or "muon")
+    steps = presets.resolve_steps(None, preset or "muon")
     if preset is None:
       def fn(x):
         return optax_orthogonalize(x)
@@ -367,7 +367,7 @@ def accelerator_section(repeats: int) -> None:
         "optax.contrib.muon": (jax.jit(optax_orthogonalize), 5 * (4 * m * m * n + 2 * m**3)),
         "muonclip_jax default": (jax.jit(lambda x: mc.newton_schulz(
             x, steps=None, coeffs="polar_express_4", method="auto")),
-            _ns.ns_flops(shape, steps=None, coeffs="polar_express_4", method="auto")),
+            ns_flops(shape, steps=None, coeffs="polar_express_4", method="auto")),
     }
     times = {k: [] for k in fns}
     for fn, _ in fns.values():

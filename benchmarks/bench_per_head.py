@@ -79,11 +79,9 @@ def analytic_flops(params, layout, mode):
   """(attention FLOPs, all FLOPs) of the Newton–Schulz matmuls of one update."""
   import jax
 
-  from muonclip_jax import _newton_schulz as ns
-  from muonclip_jax._boxes import leaf_shape
-  from muonclip_jax._layout_matrices import muon_blocks_lookup
-  from muonclip_jax._muon_blocks import piece_dims
-  from muonclip_jax._paths import path_str
+  from muonclip_jax._muon import muon_blocks_lookup, piece_dims
+  from muonclip_jax._orthogonalize import ns_flops
+  from muonclip_jax._util import leaf_shape, path_str
 
   lookup = muon_blocks_lookup(None, layout, mode, params)
   attn = total = 0
@@ -92,7 +90,7 @@ def analytic_flops(params, layout, mode):
     blocks = lookup(path, shape)
     for piece, (batch, _, _, r, c) in zip(blocks.piece_shapes(shape), piece_dims(blocks, path, shape)):
       count = math.prod(piece[a] for a in batch)
-      f = ns.ns_flops((count, r, c), steps=None, coeffs="polar_express_4", method="auto")
+      f = ns_flops((count, r, c), steps=None, coeffs="polar_express_4", method="auto")
       total += f
       if not any(k in path for k in ("w_gate", "w_up", "w_down", "fc", "proj")):
         attn += f

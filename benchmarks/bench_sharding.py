@@ -33,13 +33,13 @@ Balanced placement parts (``--part``), with the library's default iteration (pol
   unrolled) over one device's, against the LPT bound and the ideal ``1/D``. Needs as many fake
   devices as the mesh has (``--devices 64`` for 8x8, in its own process);
 * ``moe``: one MoE layer (MLA attention, a stack of routed experts, a shared expert);
-* ``planner``: ``_ns_planner.figures`` (pure Python) for a DeepSeek-V3-like and a dense
+* ``planner``: ``planner.figures`` (pure Python) for a DeepSeek-V3-like and a dense
   70B-like model on 8 to 1024 devices.
 
 Split over device groups (``--part hybrid``, pure Python): whole-matrix against hybrid plans (the largest
-matrices split over device groups, ``_ns_hybrid``) for dense 70B- and 405B-like and a
+matrices split over device groups, ``_orthogonalize.hybrid``) for dense 70B- and 405B-like and a
 DeepSeek-V3-like model on 8 to 4096 devices: FLOPs of the most loaded device over the
-ideal, bytes received, collectives, estimated optimizer-step time on the ``_ns_cost``
+ideal, bytes received, collectives, estimated optimizer-step time on the ``_orthogonalize.cost``
 device models (H100 with NVLink, TPU v5p with ICI) against a forward/backward estimate
 (``6 x active hidden-matrix parameters x tokens`` FLOPs at the same peak rate).
 
@@ -70,7 +70,8 @@ from jax.sharding import PartitionSpec as P
 from optax import contrib
 
 import muonclip_jax as mc
-from muonclip_jax import _distributed_ns, _newton_schulz, _ns_planner, sharding
+from muonclip_jax import sharding
+from muonclip_jax._orthogonalize import distributed, newton_schulz, ns_flops, planner
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hlo_collectives  # noqa: E402
@@ -116,8 +117,8 @@ def analytic(params: dict, **ns) -> float | None:
   total = 0
   for x in jax.tree.leaves(params):
     try:
-      total += _newton_schulz.ns_flops(x.shape, steps=ns.get("ns_steps"), coeffs=ns.get("ns_coeffs", "muon"),
-                                       method=ns.get("ns_method", "standard"), restarts=ns.get("ns_restarts", ()))
+      total += ns_flops(x.shape, steps=ns.get("ns_steps"), coeffs=ns.get("ns_coeffs", "muon"),
+                        method=ns.get("ns_method", "standard"), restarts=ns.get("ns_restarts", ()))
     except (TypeError, ValueError):
       return None
   return float(total)
@@ -149,6 +150,7 @@ def grouped_module(rev: str) -> types.ModuleType:
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   src = subprocess.run(["git", "show", f"{rev}:muonclip_jax/sharding.py"], cwd=root, check=True,
                        capture_output=True, text=True).stdout
+  src = src.replace("from ._paths import", "from ._util import")  # _paths.py is now _util/paths.py
   module = types.ModuleType("muonclip_jax._grouped_sharding")
   module.__package__ = "muonclip_jax"
   exec(compile(src, f"{rev}:muonclip_jax/sharding.py", "exec"), module.__dict__)  # noqa: S102
@@ -161,13 +163,13 @@ def _matrix_axes(x) -> tuple:
 
 
 def planner_leaves(layers: list[tuple[dict, int]], mesh) -> list:
-  """``_ns_planner.describe`` of every matrix of ``[(layer, count)]`` (float32) on ``mesh``."""
+  """``planner.describe`` of every matrix of ``[(layer, count)]`` (float32) on ``mesh``."""
   out = []
   for layer, count in layers:
     for shape, names in layer.values():
       spec = sharding.logical_to_spec(names, shape, mesh)
       x = jax.ShapeDtypeStruct(shape, jnp.float32)
-      out += [_ns_planner.describe(shape, _matrix_axes(x), tuple(spec), dict(mesh.shape), "float32", 4)] * count
+      out += [planner.describe(shape, _matrix_axes(x), tuple(spec), dict(mesh.shape), "float32", 4)] * count
   return out
 
 
@@ -175,7 +177,7 @@ def compiled_ns(orthogonalize, params: dict, shardings: dict | None, mesh: Mesh 
   """(FLOPs, comm bytes) of one device's compiled distributed Newton–Schulz, loops unrolled."""
   xs = jax.tree.leaves(params)
   axes = [_matrix_axes(x) for x in xs]
-  ns = functools.partial(_newton_schulz.newton_schulz, **DEFAULT_NS)
+  ns = functools.partial(newton_schulz, **DEFAULT_NS)
   if mesh is None:  # one device: every matrix
     fn = lambda *a: [ns(x) for x in a]
   else:
@@ -199,9 +201,9 @@ def compare(name: str, layers: list[tuple[dict, int]], mesh_shape: tuple, axes: 
   ps = sharding.param_shardings(params, mesh, logical_axes=names)
   one, _ = compiled_ns(None, params, None, None)
   old, old_comm = compiled_ns(baseline.orthogonalize_sharded, params, ps, mesh)
-  flops = _distributed_ns.ns_flops_of(DEFAULT_NS)
-  new, new_comm = compiled_ns(functools.partial(_distributed_ns.orthogonalize_sharded, flops=flops), params, ps, mesh)
-  fig = _ns_planner.figures(planner_leaves(layers, mesh), dict(mesh.shape), flops)
+  flops = distributed.ns_flops_of(DEFAULT_NS)
+  new, new_comm = compiled_ns(functools.partial(distributed.orthogonalize_sharded, flops=flops), params, ps, mesh)
+  fig = planner.figures(planner_leaves(layers, mesh), dict(mesh.shape), flops)
   total = fig["new"].total
   print(f"| {name} | {' x '.join(f'{a} {s}' for a, s in zip(axes, mesh_shape))} | {old / one:.3f} | {new / one:.3f} "
         f"| {fig['new'].flops / total:.3f} | {fig['lpt'].flops / total:.3f} | {1 / mesh.size:.3f} "
@@ -246,10 +248,10 @@ HYBRID_MODELS = {"dense 70B-like": (model_shapes.dense_70b, 2**22), "dense 405B-
 
 def hybrid_part(models: list[str]) -> None:
   """Whole-matrix vs hybrid plans, their traffic, and step-time estimates on two device models."""
-  from muonclip_jax import _ns_cost, _ns_hybrid
-  flops = _distributed_ns.ns_flops_of(DEFAULT_NS)
-  cost = _distributed_ns.split_cost_of(dict(DEFAULT_NS))
-  h100, v5p = _ns_cost.H100_NVLINK, _ns_cost.TPU_V5P
+  from muonclip_jax._orthogonalize import cost, hybrid
+  flops = distributed.ns_flops_of(DEFAULT_NS)
+  split_cost = distributed.split_cost_of(dict(DEFAULT_NS))
+  h100, v5p = cost.H100_NVLINK, cost.TPU_V5P
   print("| model | devices (mesh) | whole | hybrid | split (m x n over g, q each) | comm GB whole / hybrid "
         "| collectives/dev, largest MB (hybrid) | H100 ms whole / hybrid / auto | v5p ms whole / hybrid / auto "
         "| bound on H100 (auto) | fwd+bwd ms H100 | Muon share H100 (auto) |\n"
@@ -263,10 +265,10 @@ def hybrid_part(models: list[str]) -> None:
       leaves = planner_leaves(layers, mesh)
       total = sum(flops(*lf.mn) * lf.count for lf in leaves)
       ideal = total / devices
-      plans = {"whole": _ns_hybrid.plan(leaves, dict(mesh.shape), flops),
-               "hybrid": _ns_hybrid.plan(leaves, dict(mesh.shape), flops, split_cost=cost, split="always"),
-               "h100": _ns_hybrid.plan(leaves, dict(mesh.shape), flops, split_cost=cost, device=h100),
-               "v5p": _ns_hybrid.plan(leaves, dict(mesh.shape), flops, split_cost=cost, device=v5p)}
+      plans = {"whole": hybrid.plan(leaves, dict(mesh.shape), flops),
+               "hybrid": hybrid.plan(leaves, dict(mesh.shape), flops, split_cost=split_cost, split="always"),
+               "h100": hybrid.plan(leaves, dict(mesh.shape), flops, split_cost=split_cost, device=h100),
+               "v5p": hybrid.plan(leaves, dict(mesh.shape), flops, split_cost=split_cost, device=v5p)}
       hy = plans["hybrid"]
       largest = max([b for s in hy.splits for _, b, _ in s.collectives] +
                     [c.width * c.itemsize * c.s * c.n_rep for c in hy.whole.classes] + [0])
@@ -285,14 +287,14 @@ def hybrid_part(models: list[str]) -> None:
 
 
 def planner_part() -> None:
-  flops = _distributed_ns.ns_flops_of(DEFAULT_NS)
+  flops = distributed.ns_flops_of(DEFAULT_NS)
   print("| model | devices (mesh) | matrices | new | LPT bound | by shape | Moonlight | comm GB new | by shape "
         "| Moonlight |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
   for model, layers in (("DeepSeek-V3-like", model_shapes.deepseek_v3()), ("dense 70B-like", model_shapes.dense_70b())):
     for devices, (shape, axes) in PLANNER_MESHES.items():
       mesh = AbstractMesh(shape, axes)
       leaves = planner_leaves(layers, mesh)
-      fig = _ns_planner.figures(leaves, dict(mesh.shape), flops)
+      fig = planner.figures(leaves, dict(mesh.shape), flops)
       over = {k: f.over_ideal(devices) for k, f in fig.items()}
       print(f"| {model} | {devices} ({' x '.join(f'{a} {s}' for a, s in zip(axes, shape))}) "
             f"| {sum(lf.count for lf in leaves)} | {over['new']:.3f} | {over['lpt']:.3f} | {over['grouped']:.3f} "

@@ -31,12 +31,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._checks import check_bool
-from ._distributed_ns import mesh_of
-from ._distributed_ns import orthogonalize_sharded as orthogonalize_sharded
-from ._ns_planner import entry_axes
-from ._paths import key_name, path_str, strip_value
-from ._state_checks import check_opt_state
+from ._util import check_bool, key_name, path_str, strip_value
+from ._orthogonalize import entry_axes, mesh_of
+from ._orthogonalize import orthogonalize_sharded as orthogonalize_sharded
+from ._clip import check_opt_state
 
 __all__ = ["DEFAULT_RULES", "batch_shardings", "init_state", "jit_train_step", "logical_to_spec",
            "orthogonalize_sharded", "param_shardings", "state_shardings"]

@@ -7,9 +7,9 @@ argument ``max_logits`` (ignored by optimizers that do not take it), as in Kimi 
 (arXiv 2507.20534), Algorithm 1. Everything stays on device: no host synchronization.
 
 The step is composed of pieces that each have one home: the forward pass with capture
-(``_forward``), the microbatch loop (``_microbatches``), what it reads from the optimizer
-state (``_opt_state_view``), the exact clip (``_exact_clip``) and the metrics
-(``_step_metrics``).
+(``_train.forward``), the microbatch loop (``_train.microbatches``), what it reads from the optimizer
+state (``_train.opt_state_view``), the exact clip (``_clip.exact``) and the metrics
+(``_train.metrics``).
 """
 
 from __future__ import annotations
@@ -20,16 +20,12 @@ from typing import Any
 import jax
 import optax
 
-from ._layouts import LayoutSpec
-from ._checks import check_bool, check_number
-from ._exact_clip import exact_clip_step, exact_qk_clip, exact_rtol
-from ._forward import LossFn, capturing_forward
-from ._max_logits import CAPTURE_HINT, nest_max_logits
-from ._microbatches import loss_grads_maxima, maxima_on
-from ._opt_state_view import OptStateView, view_opt_state
-from ._state_checks import check_opt_state
-from ._step_metrics import (applied_clip_metrics, clip_metrics, metrics_to_floats, optimizer_clip,
-                            optimizer_clip_metrics, step_threshold, threshold_metrics)
+from ._clip import (CAPTURE_HINT, check_opt_state, exact_clip_step, exact_qk_clip, exact_rtol, LayoutSpec,
+                    nest_max_logits)
+from ._util import check_bool, check_number
+from ._train import (applied_clip_metrics, capturing_forward, clip_metrics, loss_grads_maxima, LossFn,
+                     maxima_on, metrics_to_floats, optimizer_clip, optimizer_clip_metrics, OptStateView,
+                     step_threshold, threshold_metrics, view_opt_state)
 
 __all__ = ["exact_qk_clip", "make_train_step", "metrics_to_floats"]
 

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import hlo_collectives  # noqa: E402
 
-from muonclip_jax import _distributed_ns, _newton_schulz  # noqa: E402
+from muonclip_jax._orthogonalize import distributed, newton_schulz  # noqa: E402
 
 NS = dict(steps=None, coeffs="polar_express_4", method="auto", eps=1e-7)
 MESHES = {16: ((2, 8), ("data", "model")), 64: ((8, 8), ("data", "model"))}
@@ -40,22 +40,22 @@ def main():
   xs = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s, _ in specs.values()]
   ss = [NamedSharding(mesh, p) for _, p in specs.values()]
   axes = [((), (0,), (1,)), ((0,), (1,), (2,))]
-  flops = _distributed_ns.ns_flops_of(NS)
-  ns = functools.partial(_newton_schulz.newton_schulz, **NS)
+  flops = distributed.ns_flops_of(NS)
+  ns = functools.partial(newton_schulz, **NS)
   jax.lax.fori_loop = functools.partial(jax.lax.fori_loop, unroll=True)  # cost analysis: every step
-  fn = lambda *a: _distributed_ns.orthogonalize_sharded(list(a), axes, ns, mesh=mesh, shardings=ss, flops=flops,
+  fn = lambda *a: distributed.orthogonalize_sharded(list(a), axes, ns, mesh=mesh, shardings=ss, flops=flops,
                                                         ns_kwargs=NS, shard_split="always")
   put = [jax.device_put(x, s) for x, s in zip(xs, ss)]
   compiled = jax.jit(fn).lower(*put).compile()
   one = jax.jit(lambda *a: [ns(x) for x in a]).lower(*xs).compile()
-  hplan = _distributed_ns.plan_of(_distributed_ns.describe(xs, axes, mesh, ss), mesh, flops, NS, "always")
+  hplan = distributed.plan_of(distributed.describe(xs, axes, mesh, ss), mesh, flops, NS, "always")
   out = compiled(*put)
   ref = one(*xs)
   found = hlo_collectives.collectives(compiled.as_text(), N)
   print(json.dumps({
       "flops": compiled.cost_analysis()["flops"], "single": one.cost_analysis()["flops"],
       "planned_flops": hplan.max_flops, "total_planned": sum(flops(*lf.mn) * lf.count for lf in
-                                                             _distributed_ns.describe(xs, axes, mesh, ss)),
+                                                             distributed.describe(xs, axes, mesh, ss)),
       "bytes": sum(hlo_collectives.received_bytes(c) for c in found), "planned_bytes": hplan.comm,
       "err": max(float(jnp.max(jnp.abs(o - r))) for o, r in zip(out, ref)),
       "splits": [[s.m, s.n, s.g, s.q] for s in hplan.splits],

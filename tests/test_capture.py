@@ -1,5 +1,5 @@
 """Capture in hand-written attention: sow_max_logits, dot_product_attention_weights, logits_soft_cap,
-and the private Flax APIs the capture reads (muonclip_jax.nn._flax_private)."""
+and the private Flax APIs the capture reads (muonclip_jax.nn._capture.flax_private)."""
 
 import types
 
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from muonclip_jax.nn import _flax_private, attention, dot_product_attention, dot_product_attention_weights, sow_max_logits
+from muonclip_jax.nn._capture import flax_private
+from muonclip_jax.nn import attention, dot_product_attention, dot_product_attention_weights, sow_max_logits
 
 
 def _normal(seed, *shape, scale=1.0):
@@ -156,29 +157,29 @@ def _linen_dpa(q, k, v, bias, mask, cap):
 
 def test_private_flax_apis_are_found_and_their_loss_is_loud(monkeypatch):
   """Fails when a Flax release moves flax.linen.module._context or nnx's __captures__."""
-  _flax_private._check_linen.cache_clear()
-  _flax_private._check_nnx.cache_clear()
-  _flax_private._check_linen()  # the probes pass on the installed Flax
-  _flax_private._check_nnx()
+  flax_private._check_linen.cache_clear()
+  flax_private._check_nnx.cache_clear()
+  flax_private._check_linen()  # the probes pass on the installed Flax
+  flax_private._check_nnx()
 
   class Finder(nn.Module):
     @nn.compact
     def __call__(self):
-      return _flax_private.linen_calling_module() is self
+      return flax_private.linen_calling_module() is self
 
   assert Finder().apply({}) is True
-  assert _flax_private.linen_calling_module() is None  # outside Linen
+  assert flax_private.linen_calling_module() is None  # outside Linen
   q = k = jnp.ones((1, 4, 2, 8))
   # Linen's private stack gone: capture raises at trace time instead of returning without sowing
   moved = types.SimpleNamespace()  # flax.linen.module without _context
   stale = types.SimpleNamespace(_context=types.SimpleNamespace(module_stack=[None]))  # a stack nobody pushes on
   for fake, why in ((moved, "found NoneType, not a list"), (stale, "its top is not the module whose method runs")):
-    monkeypatch.setattr(_flax_private, "_linen_module", fake)
-    _flax_private._check_linen.cache_clear()
+    monkeypatch.setattr(flax_private, "_linen_module", fake)
+    flax_private._check_linen.cache_clear()
     with pytest.raises(RuntimeError, match=rf"flax.linen.module._context.module_stack \({why}\).*read from flax 0.12"):
       jax.jit(lambda a, b: _HFStyle().apply({}, a, b, None, None, jax.random.key(0), mutable=["intermediates"]))(q, k)
     monkeypatch.undo()
-  _flax_private._check_linen.cache_clear()
+  flax_private._check_linen.cache_clear()
   # nnx.capture that no longer marks modules with __captures__
   real_capture = nnx.capture
 
@@ -186,10 +187,10 @@ def test_private_flax_apis_are_found_and_their_loss_is_loud(monkeypatch):
     return lambda *a, **k: (fn(*a, **k), nnx.State({}))
 
   monkeypatch.setattr(nnx, "capture", capture_without_marks)
-  _flax_private._check_nnx.cache_clear()
+  flax_private._check_nnx.cache_clear()
   with pytest.raises(RuntimeError, match=r"__captures__"):
     _Holder()(q, k, None)
   monkeypatch.setattr(nnx, "capture", real_capture)
-  _flax_private._check_nnx.cache_clear()
-  _flax_private._check_nnx()
+  flax_private._check_nnx.cache_clear()
+  flax_private._check_nnx()
   chex.assert_trees_all_equal(_Holder()(q, k, None), nn.dot_product_attention_weights(q, k))

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 
 import muonclip_jax as mc
-from muonclip_jax import _distributed_ns, _newton_schulz, _ns_cost, _ns_hybrid, _ns_planner, _split_ns, sharding
+from muonclip_jax import sharding
+from muonclip_jax._orthogonalize import cost, distributed, hybrid, newton_schulz, planner, split
 from _child_env import child_env
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
@@ -110,15 +111,15 @@ def test_planner_matches_compiled_cost_analysis(mesh_name, set_name, unrolled):
   xs, ss = jax.tree.leaves(params), jax.tree.leaves(ps)
   xs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(xs, ss)]
   axes = [AXES.resolve("w", x.shape) for x in xs]
-  flops = _distributed_ns.ns_flops_of(NS)
-  ns = functools.partial(_newton_schulz.newton_schulz, **NS)
-  fn = lambda *a: _distributed_ns.orthogonalize_sharded(list(a), axes, ns, mesh=mesh, shardings=ss, flops=flops)
+  flops = distributed.ns_flops_of(NS)
+  ns = functools.partial(newton_schulz, **NS)
+  fn = lambda *a: distributed.orthogonalize_sharded(list(a), axes, ns, mesh=mesh, shardings=ss, flops=flops)
   compiled = jax.jit(fn).lower(*xs).compile()
-  leaves = _distributed_ns.describe(xs, axes, mesh, ss)
-  plan = _ns_planner.plan(leaves, dict(mesh.shape), flops)
+  leaves = distributed.describe(xs, axes, mesh, ss)
+  plan = planner.plan(leaves, dict(mesh.shape), flops)
   measured = compiled.cost_analysis()["flops"]
   assert 1.0 <= measured / plan.max_flops <= 1.05, (measured, plan.max_flops)
-  lpt = _ns_planner.plan(leaves, dict(mesh.shape), flops, placement="lpt")
+  lpt = planner.plan(leaves, dict(mesh.shape), flops, placement="lpt")
   assert measured <= 1.10 * lpt.max_flops  # the target: within 1.10x of the LPT bound
   received, _ = bench_sharding.communication(compiled.as_text(), 8)
   assert received == plan.comm
@@ -146,16 +147,16 @@ def _problem(draw):
     batch = (0,) if count > 1 else ()
     axes = (batch, tuple(a + len(batch) for a in (0,)), tuple(a + len(batch) for a in (1,)))
     dtype = draw(st.sampled_from([("float32", 4), ("bfloat16", 2)]))
-    leaves.append(_ns_planner.describe(shape, axes, spec, mesh, *dtype))
+    leaves.append(planner.describe(shape, axes, spec, mesh, *dtype))
   return leaves, mesh
 
 
 @given(_problem())
 def test_planner_places_every_matrix_once_within_the_grouped_traffic(problem):
   leaves, mesh = problem
-  flops = _distributed_ns.ns_flops_of(NS)
+  flops = distributed.ns_flops_of(NS)
   devices = math.prod(mesh.values())
-  plan = _ns_planner.plan(leaves, mesh, flops)
+  plan = planner.plan(leaves, mesh, flops)
   seen = set()
   for cls in plan.classes:
     used: dict[int, list] = {}
@@ -168,7 +169,7 @@ def test_planner_places_every_matrix_once_within_the_grouped_traffic(problem):
       spans.sort()
       assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= cls.width
   assert seen == {(i, k) for i, lf in enumerate(leaves) for k in range(lf.count)}
-  fig = _ns_planner.figures(leaves, mesh, flops)
+  fig = planner.figures(leaves, mesh, flops)
   total = sum(flops(*lf.mn) * lf.count for lf in leaves)
   assert sum(plan.device_flops) == pytest.approx(total)
   assert plan.max_flops <= fig["grouped"].flops * (1 + 1e-12)  # never slower than the shape-by-shape grouping
@@ -179,15 +180,15 @@ def test_planner_places_every_matrix_once_within_the_grouped_traffic(problem):
 
 def test_planner_figures_of_the_mla_sets():
   """The MLA sets' table: the shape-by-shape grouping, the LPT bound, and the plan reaching it."""
-  flops = _distributed_ns.ns_flops_of(NS)
+  flops = distributed.ns_flops_of(NS)
   expected = {(3, (2, 4)): (0.232, 0.203), (4, (2, 4)): (0.174, 0.153), (6, (8, 8)): (0.065, 0.051)}
   for (layers, shape), (today, bound) in expected.items():
     mesh = jax.sharding.AbstractMesh(shape, ("data", "model"))
     params, names = model_shapes.model(model_shapes.MLA_1024, layers)
     specs = jax.tree.leaves(sharding.param_shardings(params, mesh, logical_axes=names))
-    leaves = [_ns_planner.describe(x.shape, ((), (0,), (1,)), tuple(s.spec), dict(mesh.shape), "float32", 4)
+    leaves = [planner.describe(x.shape, ((), (0,), (1,)), tuple(s.spec), dict(mesh.shape), "float32", 4)
               for x, s in zip(jax.tree.leaves(params), specs)]
-    fig = _ns_planner.figures(leaves, dict(mesh.shape), flops)
+    fig = planner.figures(leaves, dict(mesh.shape), flops)
     total = fig["new"].total
     assert fig["grouped"].flops / total == pytest.approx(today, abs=1e-3)
     assert fig["lpt"].flops / total == pytest.approx(bound, abs=1e-3)
@@ -197,14 +198,14 @@ def test_planner_figures_of_the_mla_sets():
 
 def test_unknown_and_non_block_layouts_are_gathered_first():
   mesh = {"data": 2, "model": 4}
-  stack_axis = _ns_planner.describe((4, 32, 64), ((0,), (1,), (2,)), ("model", None, None), mesh, "float32", 4)
+  stack_axis = planner.describe((4, 32, 64), ((0,), (1,), (2,)), ("model", None, None), mesh, "float32", 4)
   assert (stack_axis.rows, stack_axis.cols, stack_axis.spec, stack_axis.gathered) == ((), (), (), 4)
-  unknown = _ns_planner.describe((32, 64), ((), (0,), (1,)), None, mesh, "float32", 4)
+  unknown = planner.describe((32, 64), ((), (0,), (1,)), None, mesh, "float32", 4)
   assert unknown.spec == () and unknown.gathered == 1
-  tall = _ns_planner.describe((64, 32), ((), (0,), (1,)), ("model", "data"), mesh, "float32", 4)
+  tall = planner.describe((64, 32), ((), (0,), (1,)), ("model", "data"), mesh, "float32", 4)
   assert tall.mn == (32, 64) and (tall.rows, tall.cols) == (("data",), ("model",))
   with pytest.raises(ValueError, match="placement must be"):
-    _ns_planner.plan([tall], mesh, _distributed_ns.default_flops, placement="random")
+    planner.plan([tall], mesh, distributed.default_flops, placement="random")
 
 
 def test_orthogonalize_sharded_mixed_dtypes_and_shardings_match_direct_call():
@@ -218,7 +219,7 @@ def test_orthogonalize_sharded_mixed_dtypes_and_shardings_match_direct_call():
   axes = [((), (0,), (1,))] * 3 + [((0,), (1,), (2,))] * 2
   ss = [NamedSharding(mesh, jax.sharding.PartitionSpec(*(((None,) if x.ndim == 3 else ()) + s)))
         for x, s in zip(xs, specs)]
-  ns = functools.partial(_newton_schulz.newton_schulz, **NS)
+  ns = functools.partial(newton_schulz, **NS)
   out = jax.jit(lambda *a: sharding.orthogonalize_sharded(list(a), axes, ns, mesh=mesh, shardings=ss))(
       *[jax.device_put(x, s) for x, s in zip(xs, ss)])
   for x, o, s in zip(xs, out, ss):
@@ -322,17 +323,17 @@ def test_split_matrix_equals_single_device(method):
   for a, b in zip(jax.tree.leaves(out) + jax.tree.leaves(new_state), jax.tree.leaves(sp) * 2):
     assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
   xs, ss = jax.tree.leaves(sg), jax.tree.leaves(ps)
-  leaves = _distributed_ns.describe(xs, [AXES.resolve("w", x.shape) for x in xs], mesh, ss)
+  leaves = distributed.describe(xs, [AXES.resolve("w", x.shape) for x in xs], mesh, ss)
   kw = dict(steps=None, coeffs="polar_express_4", method=method, eps=1e-7)
-  assert _split_ns.resolve(kw, 64, 512)["gram"] == (method == "auto")
-  hplan = _distributed_ns.plan_of(leaves, mesh, _distributed_ns.ns_flops_of(kw), kw, "always")
+  assert split.resolve(kw, 64, 512)["gram"] == (method == "auto")
+  hplan = distributed.plan_of(leaves, mesh, distributed.ns_flops_of(kw), kw, "always")
   assert [(s.m, s.n) for s in hplan.splits if (s.m, s.n) == (64, 512) and len(s.matrices) == 2], hplan.splits
   found = hlo_collectives.collectives(compiled.as_text(), 8)
   assert sum(hlo_collectives.received_bytes(c) for c in found) == hplan.comm
   gathers = [c for c in found if c.op == "all-gather"]
   assert all(c.elements <= 2 * 64 * 512 // 4 for c in gathers), gathers
   assert any(c.op == "all-reduce" for c in found)  # the split Gram matrix
-  never = _distributed_ns.plan_of(leaves, mesh, _distributed_ns.ns_flops_of(kw), kw, "never")
+  never = distributed.plan_of(leaves, mesh, distributed.ns_flops_of(kw), kw, "never")
   assert hplan.max_flops < never.max_flops and not never.splits
 
 
@@ -361,20 +362,20 @@ def test_split_matrix_compiled_on_16_and_64_devices(devices):
 
 def test_hybrid_planner_on_a_dense_70b_like_model():
   """The measured figures: 3.08x the ideal whole, <= 1.10x split; "auto" never slower."""
-  flops = _distributed_ns.ns_flops_of(NS)
-  cost = _distributed_ns.split_cost_of(NS)
+  flops = distributed.ns_flops_of(NS)
+  split_cost = distributed.split_cost_of(NS)
   for devices in (1024, 4096):
     shape, axes = bench_sharding.HYBRID_MESHES[devices]
     mesh = jax.sharding.AbstractMesh(shape, axes)
     leaves = bench_sharding.planner_leaves(model_shapes.dense_70b(), mesh)
     total = sum(flops(*lf.mn) * lf.count for lf in leaves)
-    plans = {s: _ns_hybrid.plan(leaves, dict(mesh.shape), flops, split_cost=cost, split=s)
-             for s in _ns_hybrid.SPLIT_CHOICES}
+    plans = {s: hybrid.plan(leaves, dict(mesh.shape), flops, split_cost=split_cost, split=s)
+             for s in hybrid.SPLIT_CHOICES}
     assert not plans["never"].splits and plans["always"].splits
     if devices == 1024:
       assert plans["never"].max_flops / (total / devices) == pytest.approx(3.079, abs=1e-3)
       assert plans["always"].max_flops / (total / devices) <= 1.10
-    h100 = _ns_cost.H100_NVLINK
+    h100 = cost.H100_NVLINK
     assert plans["auto"].step_s(h100) <= min(p.step_s(h100) for p in plans.values())
     for p in plans.values():  # every matrix once: whole by a device, or split in one group's slot
       seen = [ik for c in p.whole.classes for ik in c.matrices]
@@ -384,4 +385,4 @@ def test_hybrid_planner_on_a_dense_70b_like_model():
       assert sorted(seen) == sorted((i, k) for i, lf in enumerate(leaves) for k in range(lf.count))
   assert plans["auto"].splits  # 4096 devices: whole placement leaves most devices idle
   with pytest.raises(ValueError, match="split must be"):
-    _ns_hybrid.plan(leaves, dict(mesh.shape), flops, split_cost=cost, split="sometimes")
+    hybrid.plan(leaves, dict(mesh.shape), flops, split_cost=split_cost, split="sometimes")

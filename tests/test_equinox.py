@@ -1,7 +1,7 @@
 """Equinox models: roles read from the layer types, ``equinox_attention``, ``GQALayout.from_equinox``,
 and square torch-style kernels that nothing declares.
 
-The adapter (``muonclip_jax/_equinox.py``) was read from equinox 0.13.8; these tests fail if the
+The adapter (``muonclip_jax/_clip/equinox.py``) was read from equinox 0.13.8; these tests fail if the
 parts of Equinox it relies on move (the ``eqx.nn`` classes and their fields, and
 ``MultiheadAttention``'s ``process_heads`` seeing the heads that enter its attention).
 """
@@ -20,8 +20,8 @@ import pytest
 
 import muonclip_jax as mc
 from muonclip_jax import nn as mnn
-from muonclip_jax._equinox import EMBEDDING, GAIN, MATRIX, VECTOR, leaf_roles
-from muonclip_jax._paths import path_str
+from muonclip_jax._clip import EMBEDDING, GAIN, MATRIX, VECTOR, leaf_roles
+from muonclip_jax._util import path_str
 from _child_env import child_env
 
 KEY = jax.random.key(0)

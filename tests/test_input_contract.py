@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 import muonclip_jax as mc
 from muonclip_jax import nn as mnn
 from muonclip_jax import sharding, training
-from muonclip_jax._step_metrics import clip_metrics
+from muonclip_jax._train import clip_metrics
 
 LAYOUT = mc.GQALayout(num_heads=2, num_kv_heads=2, head_dim=4)
 MAXIMA = {"attn": {"max_logits": jnp.array([400.0, 50.0])}}

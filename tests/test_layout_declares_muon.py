@@ -22,9 +22,8 @@ import pytest
 from flax import nnx
 
 import muonclip_jax as mc
-from muonclip_jax._boxes import is_box, leaf_shape
-from muonclip_jax._layout_matrices import muon_blocks_lookup
-from muonclip_jax._paths import path_str
+from muonclip_jax._muon import muon_blocks_lookup
+from muonclip_jax._util import is_box, leaf_shape, path_str
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import muonclip_jax as mc
-from muonclip_jax._routing import axes_from_names, matrix_axes_lookup
+from muonclip_jax._muon import axes_from_names, matrix_axes_lookup
 
 MDN = optax.contrib.MuonDimensionNumbers
 KELLER = dict(ns_coeffs="muon", ns_steps=5, ns_method="standard")

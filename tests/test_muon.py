@@ -357,7 +357,7 @@ _MUON_OPTIONS = dict(beta=0.9, nesterov=False, ns_steps=3, ns_coeffs="muon", ns_
 
 def test_every_option_reaches_scale_by_muon(monkeypatch):
   """The written-out signatures forward each option (none silently left at its default)."""
-  import muonclip_jax._alias as alias
+  from muonclip_jax._muon import alias
 
   assert set(_MUON_OPTIONS) == set(inspect.signature(mc.scale_by_muon).parameters)
   seen = []

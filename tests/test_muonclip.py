@@ -10,7 +10,7 @@ import pytest
 
 import muonclip_jax as mc
 from muonclip_jax import training
-from muonclip_jax._max_logits import collect_max_logits
+from muonclip_jax._clip import collect_max_logits
 from _exactness import assert_same_computation, legacy_emitters
 from _tiny_lm import BATCHES, CFG, init_params, make_loss_fn, matrix_axes
 

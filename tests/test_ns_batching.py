@@ -14,19 +14,18 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import muonclip_jax as mc
-from muonclip_jax import _newton_schulz
-from muonclip_jax import _ns_batching as nb
+from muonclip_jax._orthogonalize import batching, ns_flops
 
 ULPS = 4  # the bound (as _exactness.ULPS); measured: 0, bit for bit, on JAX 0.10.2 and 0.12 (XLA:CPU)
 F32 = jnp.dtype(jnp.float32)
 
 
 def _plan(counts, key=(4, 8, F32), batch=None):
-  return nb.plan_calls([key] * len(counts), counts, batch)
+  return batching.plan_calls([key] * len(counts), counts, batch)
 
 
 def test_few_matrices_of_a_shape_are_not_stacked():
-  assert _plan([1] * (nb.MIN_STACK - 1)) == [[i] for i in range(nb.MIN_STACK - 1)]
+  assert _plan([1] * (batching.MIN_STACK - 1)) == [[i] for i in range(batching.MIN_STACK - 1)]
 
 
 def test_stacks_are_at_most_an_eighth_of_a_shape_and_at_least_eight():
@@ -40,19 +39,19 @@ def test_a_leaf_is_never_cut_and_stacks_follow_the_leaves():
   assert chunks == [[0, 1], [2], [3, 4, 5, 6, 7, 8, 9]]
   a, b = (4, 8, F32), (8, 8, F32)
   keys = [a, b] * 8
-  chunks = nb.plan_calls(keys, [1] * 16, None)
+  chunks = batching.plan_calls(keys, [1] * 16, None)
   assert chunks == [list(range(0, 16, 2)), list(range(1, 16, 2))]  # by shape, ordered by first leaf
-  assert nb.plan_calls([a, a, b, a], [1] * 4, 2) == [[0, 1], [2], [3]]  # ns_batch: calls of at most 2
+  assert batching.plan_calls([a, a, b, a], [1] * 4, 2) == [[0, 1], [2], [3]]  # ns_batch: calls of at most 2
 
 
 def test_per_call_is_one_on_cpu_and_a_flop_budget_on_accelerators(monkeypatch):
   kw = dict(steps=None, coeffs="polar_express_4", method="auto")
-  assert nb.per_call(256, 256, 48, kw) == 1
+  assert batching.per_call(256, 256, 48, kw) == 1
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  flops = _newton_schulz.ns_flops((256, 1024), **kw)
-  assert nb.per_call(256, 1024, 10**6, kw) == int(nb.CALL_FLOPS // flops)
-  assert nb.per_call(256, 1024, 3, kw) == 3  # never more than the stack
-  assert nb.per_call(8192, 8192, 16, kw) == 1
+  flops = ns_flops((256, 1024), **kw)
+  assert batching.per_call(256, 1024, 10**6, kw) == int(batching.CALL_FLOPS // flops)
+  assert batching.per_call(256, 1024, 3, kw) == 3  # never more than the stack
+  assert batching.per_call(8192, 8192, 16, kw) == 1
 
 
 def _tree(key=0):

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import muonclip_jax as mc
 from muonclip_jax import sharding, training
-from muonclip_jax._max_logits import nest_max_logits
+from muonclip_jax._clip import nest_max_logits
 from _exactness import assert_same_computation
 
 sys.path.insert(0, os.path.dirname(__file__))

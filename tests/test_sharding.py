@@ -13,8 +13,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import muonclip_jax as mc
-from muonclip_jax import _newton_schulz, sharding, training
-from muonclip_jax._max_logits import collect_max_logits
+from muonclip_jax import sharding, training
+from muonclip_jax._orthogonalize import newton_schulz
+from muonclip_jax._clip import collect_max_logits
 from _exactness import legacy_emitters
 from _tiny_lm import CFG, init_params, make_loss_fn, matrix_axes
 from mla_lm import logical_axes
@@ -356,7 +357,7 @@ def test_layouts_stacks_tall_and_fallback_leaves():
 def test_orthogonalize_sharded_directly_and_bad_targets():
   mesh = _mesh("data2x4")
   x = jax.random.normal(jax.random.key(0), (5, 8, 24))
-  ns = functools.partial(_newton_schulz.newton_schulz, steps=5, coeffs="muon")
+  ns = functools.partial(newton_schulz, steps=5, coeffs="muon")
   s = NamedSharding(mesh, P(None, None, "model"))
   out = jax.jit(lambda x: sharding.orthogonalize_sharded([x], [((0,), (1,), (2,))], ns, mesh=mesh,
                                                          shardings=[s])[0])(jax.device_put(x, s))

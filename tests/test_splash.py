@@ -23,7 +23,7 @@ from muonclip_jax import nn as mnn
 
 pytest.importorskip("tokamax")
 
-from muonclip_jax.nn._splash import splash_attention  # noqa: E402
+from muonclip_jax.nn._impl.splash import splash_attention  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -127,7 +127,7 @@ def test_validation_and_missing_extra(monkeypatch):
     splash_attention(q, k[:, :4], v[:, :4], softmax_scale=1.0, is_causal=True)
   with pytest.raises(ValueError, match=r"window=\(0, 0\) leaves query row 0 "):  # offset -4
     splash_attention(q, k[:, :4], v[:, :4], softmax_scale=1.0, window=(0, 0))
-  from muonclip_jax.nn._splash import _first_static_empty_row as first_empty
+  from muonclip_jax.nn._impl.splash import _first_static_empty_row as first_empty
 
   assert first_empty(128, 128, is_causal=True, window=None, offset=0) is None
   assert first_empty(128, 128, is_causal=False, window=(3, 1), offset=0) is None
@@ -135,7 +135,7 @@ def test_validation_and_missing_extra(monkeypatch):
   assert first_empty(128, 256, is_causal=True, window=(1, None), offset=5) is None
   with pytest.raises(ValueError, match="window"):
     splash_attention(q, k, v, softmax_scale=1.0, window=(-1, 0))
-  from muonclip_jax.nn._splash import _default_interpret
+  from muonclip_jax.nn._impl.splash import _default_interpret
 
   assert _default_interpret("tpu") is False and _default_interpret("cpu") is True
   with pytest.raises(ValueError, match="TPU kernel.*use impl='auto', 'tokamax_gpu'"):

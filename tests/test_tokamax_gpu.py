@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import _attention_cases as cases
-from muonclip_jax.nn import _auto
-from muonclip_jax.nn._masking import head_max
-from muonclip_jax.nn._residual_max import LOG2E, row_max_from_residual
+from muonclip_jax.nn._impl import auto
+from muonclip_jax.nn._impl.masking import head_max
+from muonclip_jax.nn._impl.residual_max import LOG2E, row_max_from_residual
 
 
 def test_residual_conversions_match_numpy():
@@ -41,24 +41,24 @@ def test_residual_conversions_match_numpy():
 
 def test_auto_resolution_and_fallback_logs(monkeypatch, caplog):
   q, k, v = cases.qkv(8, 6)
-  has = lambda yes: monkeypatch.setattr(_auto._tokamax_adapter, "version",
+  has = lambda yes: monkeypatch.setattr(auto.tokamax_adapter, "version",
                                         lambda: "0.0.17" if yes else None)
-  _auto._log_fallback.cache_clear()
+  auto._log_fallback.cache_clear()
   has(True)
-  assert _auto.resolve_impl(q, k, v, backend="cpu") == "dense"
-  assert _auto.resolve_impl(q, k, v, backend="tpu") == "splash"
-  assert _auto.resolve_impl(q, k, v, backend="gpu") == "tokamax_gpu"
+  assert auto.resolve_impl(q, k, v, backend="cpu") == "dense"
+  assert auto.resolve_impl(q, k, v, backend="tpu") == "splash"
+  assert auto.resolve_impl(q, k, v, backend="gpu") == "tokamax_gpu"
   with caplog.at_level(logging.WARNING, logger="muonclip_jax"):
-    assert _auto.resolve_impl(q, k, v, mask=jnp.ones((1, 1, 8, 6), bool), backend="tpu") == "chunked"
-    assert _auto.resolve_impl(q, k, v, is_causal=True, backend="tpu") == "chunked"  # Tq > Tk
+    assert auto.resolve_impl(q, k, v, mask=jnp.ones((1, 1, 8, 6), bool), backend="tpu") == "chunked"
+    assert auto.resolve_impl(q, k, v, is_causal=True, backend="tpu") == "chunked"  # Tq > Tk
     has(False)
-    assert _auto.resolve_impl(q, k, v, backend="tpu") == "chunked"
-    assert _auto.resolve_impl(q, k, v, backend="gpu") == "dpa_max"
+    assert auto.resolve_impl(q, k, v, backend="tpu") == "chunked"
+    assert auto.resolve_impl(q, k, v, backend="gpu") == "dpa_max"
     has(True)  # a soft cap: splash applies it, but only dense keeps the maxima before it
-    assert _auto.resolve_impl(q, k, v, backend="tpu", logits_soft_cap=50.0) == "splash"
-    assert _auto.resolve_impl(q, k, v, backend="tpu", logits_soft_cap=50.0, return_max_logits=True) == "dense"
-    assert _auto.resolve_impl(q, k, v, backend="gpu", logits_soft_cap=50.0) == "dense"
-  assert _auto.resolve_impl(q, k, v, backend="cpu", logits_soft_cap=50.0, return_max_logits=True) == "dense"
+    assert auto.resolve_impl(q, k, v, backend="tpu", logits_soft_cap=50.0) == "splash"
+    assert auto.resolve_impl(q, k, v, backend="tpu", logits_soft_cap=50.0, return_max_logits=True) == "dense"
+    assert auto.resolve_impl(q, k, v, backend="gpu", logits_soft_cap=50.0) == "dense"
+  assert auto.resolve_impl(q, k, v, backend="cpu", logits_soft_cap=50.0, return_max_logits=True) == "dense"
   text = caplog.text
   for reason in ("explicit (B, H, Tq, Tk) mask", "causal attention with Tq > Tk",
                  "tokamax is not installed", "logits_soft_cap"):
@@ -67,7 +67,7 @@ def test_auto_resolution_and_fallback_logs(monkeypatch, caplog):
 
 
 def test_default_gpu_kernel():
-  from muonclip_jax.nn._tokamax_gpu import default_implementation
+  from muonclip_jax.nn._impl.tokamax_gpu import default_implementation
 
   assert default_implementation("cpu") == "xla"
   assert default_implementation("gpu", "9.0") == "mosaic_gpu"

@@ -13,7 +13,7 @@ import pytest
 
 import muonclip_jax as mc
 from muonclip_jax import training
-from muonclip_jax._max_logits import collect_max_logits
+from muonclip_jax._clip import collect_max_logits
 from _deep_lm import DeepConfig, batches, init_params, make_loss_fn
 
 AXES = mc.MatrixAxes((-2,), (-1,))
@@ -242,7 +242,7 @@ def test_jit_train_step_passes_the_dropout_rng_on_a_mesh(explicit, batch_size):
 def test_microbatches_of_a_batch_sharded_on_an_explicit_mesh():
   """Microbatch i is rows [i B/k, (i+1) B/k), sharded like the batch where B/k divides."""
   from jax.sharding import NamedSharding, PartitionSpec as P
-  from muonclip_jax._microbatches import split_microbatches
+  from muonclip_jax._train import split_microbatches
 
   mesh = jax.make_mesh((4, 2), ("data", "model"))
   x = jax.device_put(jnp.arange(16 * 3).reshape(16, 3), NamedSharding(mesh, P("data")))

@@ -12,11 +12,9 @@ import optax
 import pytest
 
 import muonclip_jax as mc
-from muonclip_jax._exact_clip import exact_clip_step
-from muonclip_jax._forward import capturing_forward
-from muonclip_jax._microbatches import loss_grads_maxima, maxima_on
-from muonclip_jax._opt_state_view import view_opt_state
-from muonclip_jax._step_metrics import optimizer_clip, optimizer_clip_metrics, step_threshold
+from muonclip_jax._clip import exact_clip_step
+from muonclip_jax._train import (capturing_forward, loss_grads_maxima, maxima_on, optimizer_clip, optimizer_clip_metrics,
+                                 step_threshold, view_opt_state)
 from muonclip_jax.training import _apply_optimizer
 
 LAYOUT = mc.GQALayout(2, 2, 4)

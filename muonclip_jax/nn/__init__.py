@@ -28,9 +28,10 @@ from ._attention import attention as attention
 from ._deepseek import load_hf_mla_params as load_hf_mla_params
 from ._deepseek import mla_from_hf_config as mla_from_hf_config
 from ._deepseek import mla_nnx_from_hf_config as mla_nnx_from_hf_config
-from .._equinox import equinox_attention as equinox_attention
-from ._flax_attention import dot_product_attention as dot_product_attention
-from ._flax_weights import dot_product_attention_weights as dot_product_attention_weights
+from .._clip import equinox_attention as equinox_attention
+from ._capture import dot_product_attention as dot_product_attention
+from ._capture import dot_product_attention_weights as dot_product_attention_weights
+from ._capture import sow_max_logits as sow_max_logits
 from ._gqa import GroupedQueryAttention as GroupedQueryAttention
 from ._mla import MultiHeadLatentAttention as MultiHeadLatentAttention
 from ._nnx import GroupedQueryAttentionNNX as GroupedQueryAttentionNNX
@@ -40,4 +41,3 @@ from ._rope import apply_rope as apply_rope
 from ._rope import rope_frequencies as rope_frequencies
 from ._rope import softmax_scale as softmax_scale
 from ._rope import yarn_mscale as yarn_mscale
-from ._sow import sow_max_logits as sow_max_logits

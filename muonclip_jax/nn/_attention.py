@@ -7,16 +7,16 @@ Sec. 2.1):
   S_max^h = max over batch b, query i, key j with (i, j) unmasked of  s_{b,h,i,j},
   s_{b,h,i,j} = softmax_scale * <q_{b,i,h}, k_{b,j,g(h)}>,   g(h) = h // (H // Hkv).
 
-They share one contract (arguments, masks, outputs; ``_masking`` holds the shared parts)
+They share one contract (arguments, masks, outputs; ``_impl.masking`` holds the shared parts)
 and each lives in its own module:
 
-* ``"dense"`` (``_dense``): the materialized reference, ``O(Tq * Tk)`` memory.
-* ``"chunked"`` (``_chunked``): online softmax in a ``lax.scan`` over key blocks; its
+* ``"dense"`` (``_impl.dense``): the materialized reference, ``O(Tq * Tk)`` memory.
+* ``"chunked"`` (``_impl.chunked``): online softmax in a ``lax.scan`` over key blocks; its
   running row maximum is the capture.
-* ``"dpa_max"`` (``_dpa_max``): ``jax.nn.dot_product_attention`` plus a max-only pass.
-* ``"splash"`` (``_splash``) and ``"tokamax_gpu"`` (``_tokamax_gpu``): tokamax's maintained
+* ``"dpa_max"`` (``_impl.dpa_max``): ``jax.nn.dot_product_attention`` plus a max-only pass.
+* ``"splash"`` (``_impl.splash``) and ``"tokamax_gpu"`` (``_impl.tokamax_gpu``): tokamax's maintained
   TPU and GPU kernels (the optional ``tokamax`` extra, imported only when called).
-* ``"auto"`` (``_auto``): one of the above by backend and masks.
+* ``"auto"`` (``_impl.auto``): one of the above by backend and masks.
 
 Grouped-query attention: ``q`` has ``H`` heads, ``k``/``v`` have ``Hkv`` heads with
 ``H % Hkv == 0``. Multi-head latent attention passes its per-head keys with ``Hkv == H``.
@@ -28,14 +28,9 @@ from typing import Literal
 
 import jax
 
-from .._checks import check_bool
-from ._auto import resolve_impl
-from ._chunked import chunked_attention
-from ._dense import dense_attention
-from ._dpa_max import dpa_max_attention
-from ._soft_cap import check_soft_cap
-from ._splash import splash_attention
-from ._tokamax_gpu import tokamax_gpu_attention
+from .._util import check_bool
+from ._impl import (check_soft_cap, chunked_attention, dense_attention, dpa_max_attention, resolve_impl,
+                    splash_attention, tokamax_gpu_attention)
 
 AttentionImpl = Literal["auto", "dense", "chunked", "dpa_max", "splash", "tokamax_gpu"]
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "dense", "chunked", "dpa_max", "splash", "tokamax_gpu")

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from .._checks import check_bool
+from .._util import check_bool
 from ._mla import MultiHeadLatentAttention
 from ._nnx import MultiHeadLatentAttentionNNX
 from ._rope import YarnScaling, yarn_mscale

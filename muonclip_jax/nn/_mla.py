@@ -26,13 +26,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .._checks import check_bool, check_positive_int
-from .._layouts import MLALayout
+from .._util import check_bool, check_positive_int
+from .._clip import MLALayout
+from ._capture import capturing, sow_head_max
 from ._attention import AttentionImpl, attention
 from ._module_args import Initializer, check_input, mask_kwargs, validate_common
 from ._rope import YarnScaling, apply_rope
 from . import _rope  # _rope.softmax_scale: the modules have a property of that name
-from ._sow import capturing, sow_head_max
 
 
 def validate_mla(name: str, *, num_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim,

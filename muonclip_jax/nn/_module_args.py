@@ -13,7 +13,7 @@ from typing import Callable
 
 import jax
 
-from .._checks import check_bool, check_positive_int
+from .._util import check_bool, check_positive_int
 from ._attention import ATTENTION_IMPLS
 from ._rope import YarnScaling, default_positions
 

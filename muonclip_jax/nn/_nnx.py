@@ -36,14 +36,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .._layouts import GQALayout, MLALayout
+from .._clip import GQALayout, MLALayout
+from ._capture import capturing, sow_head_max
 from ._attention import AttentionImpl, attention
 from ._gqa import gqa_qkv, validate_gqa
 from ._mla import mla_qkv, validate_mla
 from ._module_args import Initializer, check_input, mask_kwargs
 from ._rope import YarnScaling
 from . import _rope  # _rope.softmax_scale: the modules have a property of that name
-from ._sow import capturing, sow_head_max
 
 _default_kernel_init = nnx.initializers.lecun_normal()
 _default_bias_init = nnx.initializers.zeros_init()

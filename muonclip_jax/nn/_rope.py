@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._checks import check_bool
+from .._util import check_bool
 
 
 @dataclasses.dataclass(frozen=True)

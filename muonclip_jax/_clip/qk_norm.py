@@ -1,0 +1,128 @@
+"""QK-Clip for attention with QK-norm: the clip acts on the norms' scales, not the kernels.
+
+Gemma 3, Qwen3, OLMo 2 and Flax's ``normalize_qk=True`` attention normalize each head's
+query and key after the projection: q_h = g_q * n(W_q x) (+ b_q), k likewise. Scaling the
+kernels W_q, W_k is then undone by the norm (n(c x) = n(x)): the clip would be reported but
+have no effect. What can still grow is the norm's scale g (and bias b), which bounds the
+logits: |q_h . k_h| <= ||g_q (.) n(.)|| ||g_k (.) n(.)||. So the clip acts there.
+
+Design (why this and not refusing): a Gemma 3 / Qwen3 user keeps QK-norm *and* wants the
+logit bound of MuonClip; the norm's affine output is exactly linear in (g, b), so scaling
+g and b by c scales q (or k) by c, the same per-head rule as on a kernel:
+
+* per-head scale (``(*stack, heads, head_dim)`` or ``(*stack, heads * head_dim)``): query
+  head h by sqrt(gamma_h), key head g by sqrt(min of its group) (``clip_mode="split"``; query
+  by gamma_h and key untouched for ``"query"``), so every clipped head ends at <= tau and,
+  for MHA, an unclipped head is untouched;
+* scale shared by heads (``(*stack, head_dim)``, Gemma 3, Qwen3, Flax's ``LayerNorm``): one
+  factor per layer, the smallest over the heads (sqrt(min_h gamma_h) on query and key), so
+  every head's logits shrink by at least its own gamma_h. This still bounds every head by
+  tau but is **weaker than per-head clipping**: the layer's other heads shrink too (the
+  per-layer clipping Kimi K2, section 2.1, argues against). A model that wants per-head
+  clipping needs per-head norm scales.
+
+``GQALayout(query_norm=..., key_norm=...)`` names the norms (sub-module paths next to the
+projections, leaf ``scale`` and optional ``bias``). ``norm_scale_offset`` says how the norm
+applies its scale: 0.0 (default) for ``x * scale`` (Flax's ``LayerNorm``/``RMSNorm``, Qwen3,
+OLMo 2, and Gemma 4, whose QK-norm scale starts at 1), 1.0 for ``x * (1 + scale)`` (Gemma 2
+and Gemma 3's RMSNorm, whose scale starts at 0): the new scale is then c (1 + g) - 1. The
+wrong offset mis-scales the head: ``1.0`` on Gemma 4's ``x * scale`` with g = 1 and
+``clip_mode="query"`` turns gamma = 0.75 into the scale 2 * 0.75 - 1 = 0.5, so a head at 8
+with tau 6 ends at 4 instead of 6. A GQA module
+with a norm of a known QK-norm name (``NORM_NAMES``) that its layout does not declare is a
+ValueError naming the norm: never a clip with no effect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from .layouts import GQALayout
+from .._util import join
+
+# Sub-module names that QK-norm takes in Flax, Gemma, Hugging Face ports and this repository.
+NORM_NAMES = ("query_ln", "key_ln", "q_norm", "k_norm", "query_norm", "key_norm", "_query_norm", "_key_norm",
+              "q_layernorm", "k_layernorm")
+
+
+def check_undeclared(module: str, lay: GQALayout, shapes: Mapping[str, tuple], caller: str) -> None:
+  """Raises ValueError for a GQA module with a QK-norm its layout does not declare."""
+  if lay.query_norm is not None:
+    return
+  found = [n for n in NORM_NAMES if f"{n}/scale" in shapes]
+  if found:
+    q = next((n for n in found if n.lstrip("_").startswith("q")), found[0])
+    k = next((n for n in found if n.lstrip("_").startswith("k")), found[-1])
+    raise ValueError(
+        f"{caller}: {join(module, found[0])} looks like a QK-norm (a normalization of each head's query "
+        f"or key after the projection, e.g. Flax's normalize_qk=True): it undoes any scaling of the "
+        f"query/key kernels, so the clip would have no effect. Declare the norms so that the clip acts "
+        f"on their scales: GQALayout(..., query_norm={q!r}, key_norm={k!r}) (add norm_scale_offset=1.0 "
+        "for norms computing x * (1 + scale), as Gemma 2 and 3's RMSNorm; Gemma 4's QK-norm computes "
+        "x * scale: leave it at 0)"
+    )
+
+
+def _kind(module: str, norm: str, shape: tuple, stack: tuple, heads: int, head_dim: int, caller: str) -> str:
+  tail = tuple(shape[len(stack):])
+  if tuple(shape[: len(stack)]) == tuple(stack):
+    if tail == (head_dim,):
+      return "shared"
+    if tail in ((heads, head_dim), (heads * head_dim,)):
+      return "per_head"
+  raise ValueError(
+      f"{caller}: {join(module, norm + '/scale')} has shape {shape}; a QK-norm scale is expected to be "
+      f"{(*stack, head_dim)} (shared by heads), {(*stack, heads, head_dim)} or {(*stack, heads * head_dim)} "
+      f"(per head), where {stack} is the stacked-layer shape of the maxima"
+  )
+
+
+def scale_norms(module: str, lay: GQALayout, index: Mapping[str, int], leaves: list, gamma: jax.Array,
+                caller: str = "qk_clip") -> None:
+  """Scales the declared query/key norms of one module in ``leaves`` (in place in the list).
+
+  ``gamma``: per-head factors ``(*stack, num_heads)`` in (0, 1].
+  """
+  stack = gamma.shape[:-1]
+  root = jnp.sqrt(gamma)
+  if lay.clip_mode == "query":
+    per_head = {"query": gamma, "key": None}
+  else:
+    group_min = gamma.reshape(*stack, lay.num_kv_heads, lay.group_size).min(axis=-1)
+    per_head = {"query": root, "key": jnp.sqrt(group_min)}
+  for role, norm, heads in (("query", lay.query_norm, lay.num_heads), ("key", lay.key_norm, lay.num_kv_heads)):
+    key = f"{norm}/scale"
+    if key not in index:
+      raise ValueError(f"{caller}: the layout names the {role} norm {norm!r}, but {join(module, key)} is missing; "
+                       f"parameters under {module or '<root>'!r}: {sorted(index)}")
+    _kind(module, norm, jnp.shape(leaves[index[key]]), stack, heads, lay.head_dim, caller)  # checks the shape
+  for role, norm, heads in (("query", lay.query_norm, lay.num_heads), ("key", lay.key_norm, lay.num_kv_heads)):
+    f = per_head[role]
+    if f is None:
+      continue
+    i = index[f"{norm}/scale"]
+    shape = jnp.shape(leaves[i])
+    if _kind(module, norm, shape, stack, heads, lay.head_dim, caller) == "shared":
+      # One factor for every head: the smallest, so that each head shrinks at least by its own.
+      factor = jnp.broadcast_to(jnp.min(f, axis=-1)[..., None], shape)
+    else:
+      factor = jnp.broadcast_to(f[..., None], (*stack, heads, lay.head_dim)).reshape(shape)
+    leaves[i] = _affine(leaves[i], factor, lay.norm_scale_offset)
+    b = index.get(f"{norm}/bias")
+    if b is not None:
+      if jnp.shape(leaves[b]) != shape:
+        raise ValueError(f"{caller}: {join(module, norm + '/bias')} has shape {jnp.shape(leaves[b])}; expected "
+                         f"{shape}, the shape of its scale")
+      leaves[b] = _affine(leaves[b], factor, 0.0)
+
+
+def _affine(x: jax.Array, factor: jax.Array, offset: float) -> jax.Array:
+  """The leaf g with (offset + g) scaled by ``factor``: factor (offset + g) - offset; exact where factor is 1."""
+  dtype = jnp.result_type(x)
+  compute = jnp.promote_types(dtype, jnp.float32)
+  xc, fc = x.astype(compute), factor.astype(compute)
+  new = xc * fc if offset == 0 else (offset + xc) * fc - offset
+  return jnp.where(fc == 1, xc, new).astype(dtype)

@@ -1,0 +1,187 @@
+"""Muon's blocks of one kernel: which matrices a leaf is cut into, from how its heads are stored.
+
+``muon_blocks`` (``scale_by_muon``) chooses the granularity:
+
+* ``"matrix"`` (Kimi K2, Moonlight): a projection is one matrix, ``"layers"`` axes batched;
+* ``"part"``: a fused projection is its logical parts (xtuner #2030): q, k and v of a fused
+  ``qkv``, k and v of Gemma's ``kv_einsum``, and MLA's ``wkv_b`` as its k_nope columns and its
+  v columns of every head;
+* ``"head"`` (Kimi K3, arXiv 2607.24653, section 2.5; GLM-5 "Muon Split", arXiv 2602.15763):
+  every head's block on its own, ``in x head_dim`` (MLA: ``wq_b`` per head
+  ``q_lora x (nope + rope)``, ``wkv_b`` per head ``kv_lora x (nope + v)``); ``"head+out"``
+  also cuts the output projection into ``head_dim x out`` blocks.
+
+A kernel is described by one name per axis (``_clip.projection.AXES``: ``layers``, ``in``,
+``heads``, ``head_dim``, ``out``, ``parts``), in the reading of a projection from the model
+dimension to heads; an output projection is read the same way, transposed (its model
+dimension is ``"in"``, its heads ``"heads"``/``"head_dim"`` or the flattened ``"out"``), and
+its matrix is transposed back so that its fan-in stays the heads side.
+
+``Blocks`` cuts a leaf in three steps: an optional reshape that splits one flattened
+head-major axis in two (``(in, H*D)`` -> ``(in, H, D)``; a view of the same memory, no copy
+of the parameters), optional slices of that view along one axis (parts of unequal shape,
+MLA's k_nope | v columns), and one ``MatrixAxes`` per piece over the view, whose batch axes
+include the heads or parts axes (``inner``): every block of a piece is orthogonalized in one
+batched call, never mapped one by one, so a heads-sharded kernel stays where it lives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .._util import MatrixAxes
+
+MODES = ("matrix", "part", "head", "head+out")
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+  """How Muon cuts one leaf into matrices.
+
+  Attributes:
+    axes: one ``MatrixAxes`` per piece, over the view (its batch axes include ``inner``).
+    split: ``(axis, size)``: the view splits the leaf's ``axis`` into ``(size, rest)``; None:
+      the view is the leaf as it is.
+    cut: the view axis the pieces are sliced along, or None for one piece (the whole view).
+    bounds: per piece, ``(start, stop)`` along ``cut``.
+    inner: batch axes of the view that hold blocks of one matrix (heads, parts): always
+      orthogonalized in one batched call; the other batch axes (stacked layers) follow
+      ``ns_batch``.
+  """
+
+  axes: tuple[MatrixAxes, ...]
+  split: tuple[int, int] | None = None
+  cut: int | None = None
+  bounds: tuple[tuple[int, int], ...] = ()
+  inner: tuple[int, ...] = ()
+
+  @property
+  def is_whole(self) -> bool:
+    """One matrix (or stack of them) over the leaf as it is: what ``"matrix"`` gives."""
+    return self.split is None and self.cut is None and not self.inner
+
+  def view_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    shape = tuple(shape)
+    if self.split is None:
+      return shape
+    a, k = self.split
+    return shape[:a] + (k, shape[a] // k) + shape[a + 1:]
+
+  def piece_shapes(self, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    v = self.view_shape(shape)
+    if self.cut is None:
+      return [v]
+    return [v[:self.cut] + (b - a,) + v[self.cut + 1:] for a, b in self.bounds]
+
+  def pieces(self, x: jax.Array) -> list[jax.Array]:
+    """The view's pieces (slices of the reshaped leaf)."""
+    v = x if self.split is None else x.reshape(self.view_shape(x.shape))
+    if self.cut is None:
+      return [v]
+    return [jax.lax.slice_in_dim(v, a, b, axis=self.cut) for a, b in self.bounds]
+
+  def assemble(self, ys: Sequence[jax.Array], shape: tuple[int, ...]) -> jax.Array:
+    """The inverse of ``pieces``: the pieces concatenated and the view undone."""
+    v = ys[0] if self.cut is None else jnp.concatenate(list(ys), axis=self.cut)
+    return v if self.split is None else v.reshape(shape)
+
+
+def whole(axes: MatrixAxes) -> Blocks:
+  return Blocks((axes,))
+
+
+def _split(names: list[str], shape: list[int], axis: int, first: int, labels: tuple[str, str]):
+  """``names``/``shape`` with ``axis`` split into ``(first, rest)`` sizes, labelled ``labels``."""
+  n = shape[axis]
+  return (names[:axis] + list(labels) + names[axis + 1:], shape[:axis] + [first, n // first] + shape[axis + 1:])
+
+
+def blocks_for(names: Sequence[str], shape: Sequence[int], parts: Sequence[tuple[Any, int, int]], *,
+               output: bool = False, mode: str = "matrix", split: int = 0) -> Blocks:
+  """The ``Blocks`` of a kernel whose axes are ``names``, holding ``parts`` ((role, heads, width), ...).
+
+  ``output``: an output projection read transposed (see the module docstring): its matrix's
+  fan-in is the heads side. ``split``: for ``"part"``, the width at which each head's columns
+  divide into two parts (MLA's ``wkv_b``: ``qk_nope_head_dim``), 0 for none. The shape must
+  already have been checked against ``parts`` (``_clip.projection.fits_declared``).
+  """
+  names, shape = list(names), [int(n) for n in shape]
+  split_at = None
+  fused = len(parts) > 1
+
+  def axes_of(names: list[str], head_side: list[int]) -> MatrixAxes:
+    ins = tuple(i for i, n in enumerate(names) if n == "in")
+    side = tuple(head_side)
+    return MatrixAxes(side, ins) if output else MatrixAxes(ins, side)
+
+  def rest(names: list[str], *skip: str) -> list[int]:
+    return [i for i, n in enumerate(names) if n not in ("layers", "in") + skip]
+
+  if mode == "head" and "out" in names:  # flattened head-major columns -> (heads, head_dim)
+    widths = {w for _, _, w in parts}
+    if len(widths) != 1:
+      raise ValueError(f"muon_blocks='head': the parts {list(parts)} differ in head width; declare the axes")
+    o = names.index("out")
+    w = widths.pop()
+    split_at = (o, shape[o] // w)
+    names, shape = _split(names, shape, o, shape[o] // w, ("heads", "head_dim"))
+  if mode == "head":
+    inner = tuple(i for i, n in enumerate(names) if n in ("parts", "heads"))
+    return Blocks((axes_of(names, rest(names, "parts", "heads")),), split_at, inner=inner)
+  if mode == "part" and "parts" in names:
+    return Blocks((axes_of(names, rest(names, "parts")),), inner=(names.index("parts"),))
+  if mode == "part" and fused and "out" in names:
+    o = names.index("out")
+    if len({(h, w) for _, h, w in parts}) == 1:  # equal parts: (P, h * w), batched
+      names, shape = _split(names, shape, o, len(parts), ("parts", "out"))
+      return Blocks((axes_of(names, rest(names, "parts")),), (o, len(parts)), inner=(o,))
+    edges = [0]
+    for _, h, w in parts:
+      edges.append(edges[-1] + h * w)
+    bounds = tuple(zip(edges[:-1], edges[1:]))
+    return Blocks((axes_of(names, [o]),) * len(bounds), cut=o, bounds=bounds)
+  if mode == "part" and not fused and 0 < split < parts[0][2]:  # MLA wkv_b: k_nope | v of every head
+    _, h, w = parts[0]
+    if "out" in names:
+      split_at = (names.index("out"), h)
+      names, shape = _split(names, shape, names.index("out"), h, ("heads", "head_dim"))
+    cut, bounds = names.index("head_dim"), ((0, split), (split, w))
+    return Blocks((axes_of(names, rest(names)),) * 2, split_at, cut, bounds)
+  return whole(axes_of(names, rest(names)))
+
+
+def piece_dims(blocks: Blocks, path: str, shape: tuple[int, ...]) -> list[tuple[tuple, tuple, tuple, int, int]]:
+  """Per piece: its ``(batch, fan_in, fan_out)`` axes and its matrix's ``(rows, cols)``."""
+  out = []
+  for axes, s in zip(blocks.axes, blocks.piece_shapes(shape)):
+    batch, fi, fo = axes.resolve(path, s)
+    out.append((batch, fi, fo, math.prod(s[a] for a in fi), math.prod(s[a] for a in fo)))
+  return out
+
+
+def piece_spec(blocks: Blocks, spec: tuple | None, shape: tuple[int, ...], mesh_shape: dict[str, int]) -> tuple | None:
+  """The ``PartitionSpec`` entries of the pieces, from the leaf's; None where they cannot be told.
+
+  A split axis keeps its mesh axes on its first part (the heads) when they divide it; a
+  sliced axis must be unsharded. Otherwise None: the distributed Newton–Schulz gathers such
+  pieces first, as it gathers any leaf whose layout it cannot use.
+  """
+  if spec is None:
+    return None
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  if blocks.split is not None:
+    axis, first = blocks.split
+    e = entries[axis]
+    shards = 1 if e is None else math.prod(mesh_shape[a] for a in ((e,) if isinstance(e, str) else e))
+    if first % shards:
+      return None
+    entries = entries[:axis] + [e, None] + entries[axis + 1:]
+  if blocks.cut is not None and entries[blocks.cut] is not None:
+    return None
+  return tuple(entries)

@@ -1,0 +1,237 @@
+"""Which parameters Muon updates and which AdamW: the default routing of ``muon_adamw``.
+
+Muon (Keller Jordan 2024; Moonlight, arXiv 2502.16982, section 2) is for the hidden weight
+matrices of a network. Embedding tables, the output head, norm scales, biases and other
+vectors go to AdamW, one vector per layer of a stack included. Decisions depend on paths,
+shapes, logical axis names and the types of the layers that own the leaves (Equinox),
+never on values.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from .._util import has_boxes, is_box, LAYER_NAMES, leaf_shape, logical_names, MetadataMemo, path_str, VOCAB
+from .._clip import EMBEDDING, leaf_roles, MATRIX
+
+MUON = "muon"
+ADAM = "adam"
+
+# Path components (lower-cased) that mark an embedding table or an output head.
+_EMBEDDING_WORDS = ("embed", "wte", "wpe")
+_HEAD_NAMES = frozenset({"lm_head", "head", "unembed", "output", "output_head", "output_layer", "logits",
+                         "logits_dense", "classifier"})
+_VECTOR_LEAF_NAMES = frozenset({"bias", "scale", "embedding"})
+STACKED_VECTOR = "stacked vector"  # the role of a rank-2 leaf that a stack shows to be one vector per layer
+
+
+def _is_norm(part: str) -> bool:
+  """A path component naming a norm: containing ``norm`` (``input_layernorm``, ``LayerNorm_0``,
+  ``q_norm``), or GPT-2's ``ln``, ``ln_1``, ``ln_f``."""
+  return "norm" in part or re.fullmatch(r"ln(_[a-z0-9]+|[0-9]*)", part) is not None
+
+
+def _is_position_table(parts: list[str]) -> bool:
+  return any(p == "wpe" or "pos" in p for p in parts)
+
+
+def vocab_sizes(params: Any) -> frozenset[tuple[int, int]]:
+  """``(vocabulary, width)`` of the token-embedding tables in ``params``.
+
+  A table is a 2-D leaf named ``embedding`` (``nn.Embed``, ``nnx.Embed``), owned by an
+  ``eqx.nn.Embedding``, or under a path component containing ``embed`` or ``wte``, but not
+  a position table (a component ``wpe``
+  or containing ``pos``). Its vocabulary is its axis named ``"vocab"`` when it has logical
+  names, else its first axis; a table whose vocabulary equals its width is left out (a
+  square hidden matrix could not be told from the head).
+  """
+  sizes = set()
+  roles = leaf_roles(params)
+  for p, x in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_box)[0]:
+    parts = [c.lower() for c in path_str(p).split("/") if c]
+    shape = leaf_shape(x)
+    if len(shape) != 2 or not parts or _is_position_table(parts):
+      continue
+    typed = path_str(p) in roles and roles[path_str(p)].kind == EMBEDDING
+    if not typed and parts[-1] != "embedding" and not any("embed" in c or "wte" in c for c in parts):
+      continue
+    names = logical_names(x) if is_box(x) else None
+    vocab_axis = names.index(VOCAB) if names is not None and VOCAB in names else 0
+    if shape[vocab_axis] != shape[1 - vocab_axis]:
+      sizes.add((shape[vocab_axis], shape[1 - vocab_axis]))
+  return frozenset(sizes)
+
+
+def _in_numbered_layer(parts: list[str]) -> bool:
+  """A path component ``0``, ``layers_3``, ``h_1``, ``block12``: inside one of a model's repeated layers."""
+  return any(p[-1:].isdigit() for p in parts[:-1])
+
+
+def default_label(path: str, shape: tuple[int, ...], names: tuple | None = None, *,
+                  vocab: frozenset[tuple[int, int]] = frozenset(), role: str | None = None) -> str:
+  """``"muon"`` for a hidden weight matrix, ``"adam"`` for everything else.
+
+  The rules, in order, are listed in ``muon_labels``' docstring (``role`` is what the type
+  of the layer that owns the leaf says, rules 2 and 9; ``vocab`` the tree's embedding tables,
+  rule 8).
+  """
+  parts = [p.lower() for p in path.split("/") if p]
+  if len(shape) < 2 or role not in (None, MATRIX, STACKED_VECTOR):
+    return ADAM
+  if role is None and parts and (parts[-1] in _VECTOR_LEAF_NAMES or any(_is_norm(p) for p in parts)):
+    return ADAM
+  if any(w in p for p in parts for w in _EMBEDDING_WORDS) or any(p in _HEAD_NAMES for p in parts):
+    return ADAM
+  if names is not None and (VOCAB in names or sum(n not in LAYER_NAMES for n in names) < 2):
+    return ADAM
+  if (len(shape) == 2 and names is None and not _in_numbered_layer(parts)
+      and any(shape in ((v, w), (w, v)) for v, w in vocab)):
+    return ADAM
+  return ADAM if role == STACKED_VECTOR else MUON
+
+
+def stacked_vectors(params: Any) -> frozenset[str]:
+  """Paths of the 2-D leaves that their stack shows to be one vector per layer (rule 9 of ``default_label``).
+
+  Stacking layers (``nn.scan``, ``eqx.filter_vmap``, ``jnp.stack`` by hand) puts one leading
+  axis of the same size L on every leaf of the stacked sub-tree: a norm gain becomes
+  ``(L, dim)``, a kernel ``(L, in, out)``. A 2-D leaf ``(L, dim)`` is read as a stacked
+  vector when the largest sub-tree above it in which every leaf has rank >= 2 and the same
+  leading size holds a leaf of rank >= 3 (a stacked matrix, which shows the layer axis).
+  Unstacked layers have rank-1 vectors (biases, gains) beside their matrices, and their
+  matrices' leading sizes differ (``(d, 4d)`` and ``(4d, d)``), so such a sub-tree does not
+  form there. What can still be read as stacked: a genuine ``(E, d)`` matrix in a sub-tree
+  whose every leaf has leading size E and rank >= 2 next to a rank-3 leaf (a router stored
+  ``(experts, d)`` beside its ``(experts, d, f)`` experts, with no bias): it then goes to
+  AdamW (pass ``labels`` to send it to Muon). Leaves with logical names or of a known
+  layer type are left to those (not returned).
+  """
+  flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_box)[0]
+  roles = leaf_roles(params)
+  leaves = [(path_str(p), leaf_shape(x), is_box(x) and logical_names(x) is not None) for p, x in flat]
+  subtrees: dict[tuple[str, ...], list] = {}  # prefix -> [leading sizes, smallest rank, holds rank >= 3]
+  for path, shape, _ in leaves:
+    parts = tuple(path.split("/"))
+    for cut in range(len(parts)):
+      entry = subtrees.setdefault(parts[:cut], [set(), len(shape), False])
+      entry[0].add(shape[0] if shape else None)
+      entry[1] = min(entry[1], len(shape))
+      entry[2] = entry[2] or len(shape) >= 3
+  found = set()
+  for path, shape, named in leaves:
+    if len(shape) != 2 or named or path in roles:
+      continue
+    parts = tuple(path.split("/"))
+    for cut in range(len(parts)):  # from the root down: the first that qualifies is the largest
+      sizes, rank, has_matrix = subtrees[parts[:cut]]
+      if len(sizes) == 1 and rank >= 2:
+        if has_matrix:
+          found.add(path)
+        break
+  return frozenset(found)
+
+
+def muon_labels(params: Any) -> Any:
+  """The default routing: a tree of ``"muon"``/``"adam"`` labels.
+
+  The rules, in order; the first that applies decides:
+
+  1. rank < 2 (biases, norm scales, any vector): AdamW.
+  2. what the type of the layer that owns the leaf says it is (Equinox): a bias
+     (``Linear.bias``), a norm's gain (``LayerNorm``, ``RMSNorm``, ``GroupNorm``,
+     ``BatchNorm``) or an embedding table (``Embedding``):
+     AdamW, stacked or not (``eqx.filter_vmap`` makes a gain ``(layers, dim)``). A matrix
+     (``Linear.weight``) goes on to rules 5-8 (an output head is a ``Linear`` too).
+  3. a leaf named ``bias``, ``scale`` or ``embedding`` (Flax's norm scales, stacked or not,
+     and ``nn.Embed``/``nnx.Embed`` tables): AdamW.
+  4. a path component naming a norm: containing ``norm`` (``input_layernorm``,
+     ``LayerNorm_0``, ``q_norm``) or GPT-2's ``ln``, ``ln_1``, ``ln_f``: AdamW (a norm holds
+     gains, stacked or not, whatever its leaves are named).
+  5. a path component containing ``embed``, ``wte`` or ``wpe`` (embedding tables under any
+     leaf name): AdamW.
+  6. a path component named ``lm_head``, ``head``, ``unembed``, ``output``, ``output_head``,
+     ``output_layer``, ``logits``, ``logits_dense`` or ``classifier`` (output heads; MaxText's
+     is ``logits_dense``): AdamW. Whole components only: ``heads`` is not ``head``.
+  7. logical axis names (``names``; Linen boxes, NNX ``sharding`` metadata, short specs
+     padded with None as Flax pads them) with a ``"vocab"`` axis, or with fewer than two
+     axes not named ``"layers"`` (a vector per layer of a stack): AdamW.
+  8. a 2-D leaf of shape ``(width, vocabulary)`` or ``(vocabulary, width)`` of one of the
+     tree's token-embedding tables (``vocab``, from ``vocab_sizes``): an output head under a
+     name rule 6 does not know: AdamW. Not applied to a leaf with logical names (rule 7
+     decides those: names without ``"vocab"`` say it is no head), nor inside a numbered layer
+     (a path component such as ``0``, ``layers_3`` or ``h_1``: heads sit outside the layer
+     stack), so an MLP whose hidden size happens to equal the vocabulary stays with Muon.
+     Outside those, a hidden matrix of that shape goes to AdamW too: pass ``labels``.
+  9. ``role`` ``STACKED_VECTOR``: a 2-D leaf without logical names or a known layer type
+     that its stack shows to be one vector per layer (``stacked_vectors``: the largest
+     sub-tree above it whose leaves all share its leading size and all have rank >= 2
+     holds a leaf of rank >= 3, a stacked matrix): AdamW. This covers ``nn.scan`` without
+     logical names, ``eqx.filter_vmap`` stacks of layers of unknown types and hand-made
+     stacks.
+  10. everything else of rank >= 2: Muon (stacked layers and DenseGeneral kernels included;
+      which axes form the matrix is ``matrix_axes``'s business). So a ``(layers, dim)``
+      vector that nothing shows to be stacked, i.e. no leaf name, norm name, logical names,
+      layer type or stacked sibling (rules 2-4, 7, 9; e.g. a lone stacked leaf, or one
+      whose stack also holds a vector per layer of rank 1, a stacked scalar), is read as a
+      matrix: pass ``labels`` for it.
+
+  This applies them to every leaf of a tree, and ``muon_adamw`` reads a boxed tree's
+  labels once, at ``init``, and reuses them at ``update`` for the bare arrays of the same
+  paths and shapes (``nnx.Optimizer`` hands ``init`` boxed ``nnx.Param`` values and
+  ``update`` bare arrays, so names-based rules would otherwise differ between the two).
+
+  For an Equinox model (``eqx.filter(model, eqx.is_array)``) the labels are a tree of the
+  model's own structure, and each leaf's role is read from its layer's type: ``Linear``
+  weights are matrices, their biases, norm gains and ``Embedding`` tables go to AdamW,
+  stacked by ``eqx.filter_vmap`` or not.
+
+  Boxed leaves (``nn.Partitioned``, NNX variables) keep their box, with the label inside;
+  their logical axis names take part (a ``"vocab"`` axis goes to AdamW).
+
+  Example:
+    >>> import jax.numpy as jnp, muonclip_jax as mc
+    >>> params = {"embed": {"embedding": jnp.ones((16, 8))},
+    ...           "layers_0": {"mlp": {"kernel": jnp.ones((8, 32)), "bias": jnp.ones((32,))}},
+    ...           "lm_head": {"kernel": jnp.ones((8, 16))}}
+    >>> mc.muon_labels(params)  # hidden matrices to Muon; embeddings, head and vectors to AdamW
+    {'embed': {'embedding': 'adam'}, 'layers_0': {'mlp': {'bias': 'adam', 'kernel': 'muon'}},
+     'lm_head': {'kernel': 'adam'}}
+  """
+  vocab, roles, stacked = vocab_sizes(params), leaf_roles(params), stacked_vectors(params)
+
+  def role(path):
+    return roles[path].kind if path in roles else (STACKED_VECTOR if path in stacked else None)
+
+  def label(p, x):
+    path = path_str(p)
+    if not is_box(x):
+      return default_label(path, tuple(x.shape), vocab=vocab, role=role(path))
+    return jax.tree.map(lambda _: default_label(path, leaf_shape(x), logical_names(x), vocab=vocab, role=role(path)), x)
+
+  return jax.tree_util.tree_map_with_path(label, params, is_leaf=is_box)
+
+
+def remembering_labels(labels: Callable[[Any], Any]) -> Callable[[Any], Any]:
+  """``labels`` (a callable from params to labels) that reads a boxed tree once and reuses it.
+
+  The labels computed for a boxed tree (``init`` under ``nnx.Optimizer``) are returned, by
+  path, for a later bare tree of the same paths and shapes (its ``update``), so both calls
+  route every leaf alike. Each call of this function keeps its own memory: use one per
+  optimizer.
+  """
+  memo = MetadataMemo()
+
+  def fn(tree: Any) -> Any:
+    table = memo.recall(tree)
+    if table is not None:
+      return jax.tree_util.tree_map_with_path(lambda p, _: table[path_str(p)], tree)
+    out = labels(tree)
+    if has_boxes(tree):
+      memo.remember(tree, {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(out)[0]})
+    return out
+
+  return fn

@@ -1,0 +1,185 @@
+"""Muon's matrices read from the attention layout: the layout is Muon's declaration.
+
+For every attention module of the layout (the modules that hold its query/key projections,
+``_clip.attention_modules``), the query, key, value and output kernels get their ``Blocks``
+(``_muon.blocks``) from the layout, whatever their storage: the query/key forms are the ones
+QK-Clip detects (``_clip.kernel_forms.detect``: 2-D head-major, DenseGeneral, fused q|k|v, declared
+``Projection(axes=...)``, logical axis names; stacked layers batched); a value projection has
+the forms of a key projection, and an output projection ``(heads * head_dim, dim)`` or
+``(heads, head_dim, dim)`` their mirror image.
+
+Per leaf, Muon's matrix is decided in this order (``muon_blocks_lookup``): an explicit
+``matrix_axes`` entry for it (a pytree, or a callable's result), the layout, one
+``MatrixAxes`` given for every leaf, the leaf's logical axis names, the 2-D default
+``(in, out)``, else a ValueError naming the leaf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from .._clip import (as_projection, attention_modules, axes_from_logical, check_layout, DECLARED,
+                     DENSE_GENERAL, detect, fits_declared, Found, GQALayout, HEAD_MAJOR, leaves_by_module,
+                     MLALayout, names_under, Projection, storage_axes)
+from .._util import join, MatrixAxes, MatrixAxesSpec, names_by_path, path_str
+from .blocks import Blocks, blocks_for, MODES, whole
+from .matrix_axes_rules import matrix_axes_lookup
+
+
+def check_blocks(muon_blocks: Any, layout: Any, name: str = "scale_by_muon") -> None:
+  """Validates ``muon_blocks`` and ``layout`` together (in the factories)."""
+  if muon_blocks not in MODES:
+    raise ValueError(f"{name}: muon_blocks must be one of {MODES}, got {muon_blocks!r}")
+  if layout is None:
+    if muon_blocks != "matrix":
+      raise ValueError(
+          f"{name}: muon_blocks={muon_blocks!r} needs layout= (the attention layout that says where each "
+          "head's columns live: module.layout, a GQALayout/MLALayout, or a mapping of them); without one "
+          "only muon_blocks='matrix' is possible")
+    return
+  check_layout(layout, name)
+
+
+def _form_axes(found: Found) -> tuple[str, ...]:
+  """A detected query/key kernel's axes, one name per axis (``_clip.projection.AXES``)."""
+  lead = ("layers",) * len(found.stack)
+  if found.form == DECLARED:
+    return found.spec.axes
+  if found.form == HEAD_MAJOR:
+    return lead + ("in", "out")
+  if found.form == DENSE_GENERAL:
+    return lead + ("in", "heads", "head_dim")
+  return lead + ("in", "parts", "heads", "head_dim")  # fused (in, 3, heads, head_dim)
+
+
+def _output_reading(proj: Projection) -> tuple[str, ...]:
+  """An output projection's declared axes (``"in"``: the heads side) read as a projection to heads."""
+  bad = [a for a in proj.axes if a not in ("layers", "in", "out")]
+  if bad or proj.axes.count("in") > 2:
+    raise ValueError(
+        f"{proj}: an output projection declares its heads side as one 'in' axis (heads * head_dim, "
+        f"head-major) or two ('in', 'in' for (heads, head_dim)), its model dimension as 'out', and "
+        f"stacked layers as 'layers'; got axes={proj.axes}")
+  side = iter(("out",) if proj.axes.count("in") == 1 else ("heads", "head_dim"))
+  return tuple({"layers": "layers", "out": "in"}.get(a) or next(side) for a in proj.axes)
+
+
+def _find(kind: str, proj: Projection, module: str, shapes: Mapping[str, tuple], names: Mapping[str, tuple],
+          parts: tuple, stack: tuple[int, ...], required: bool, lay: Any, caller: str) -> tuple[str, ...] | None:
+  """The axes of the value (``kind="value"``) or output (``"out"``) kernel; None if absent or not fitting.
+
+  ``required``: the blocks asked for need it, so absence or a misfit is a ValueError.
+  """
+  field = "value" if kind == "value" else "out"
+  path = join(module, proj.kernel)
+  if proj.kernel not in shapes:
+    if required:
+      raise ValueError(
+          f"{caller}: the attention module {module or '<root>'!r} has no {kind} projection {path!r} "
+          f"({type(lay).__name__} {field}={as_projection(getattr(lay, field)).name!r}), which muon_blocks needs per "
+          f"head; name it with {type(lay).__name__}(..., {field}=...) (a name or a muonclip_jax.Projection), or "
+          f"{field}=None to keep it one matrix; parameters under it: {sorted(shapes)}")
+    return None
+  shape = shapes[proj.kernel]
+  lead = ("layers",) * len(stack)
+  if proj.axes is not None:
+    tried = [_output_reading(proj) if kind == "out" else proj.axes]
+  elif (logical := axes_from_logical(names.get(proj.kernel))) is not None:
+    tried = [logical]
+  elif kind == "out":
+    tried = [lead + ("out", "in"), lead + ("heads", "head_dim", "in")]
+  else:
+    tried = [lead + ("in", "out"), lead + ("in", "heads", "head_dim")]
+  for axes in tried:
+    layers = tuple(n for a, n in zip(axes, shape) if a == "layers")
+    if len(axes) == len(shape) and layers == tuple(stack) and fits_declared(axes, shape, parts):
+      return axes
+  if required:
+    _, h, w = parts[0]
+    raise ValueError(
+        f"{caller}: {path} has shape {shape}, which does not hold the layout's {h} heads of {w} columns "
+        f"({lay}) with the module's stacked-layer shape {tuple(stack)}: tried axes {tried}; declare its "
+        f"storage with muonclip_jax.Projection({proj.name!r}, axes=...) in the layout's {field}=")
+  return None
+
+
+def layout_blocks(tree: Any, layout: Any, mode: str, caller: str, declared: set | None = None) -> dict[str, Blocks]:
+  """``{kernel path: Blocks}`` for every kernel the layout describes in ``tree``.
+
+  ``declared``, if given, receives the paths whose axes were declared or read from logical
+  names (the others were recognized from their shapes, with leading stacked-layer axes).
+  """
+  declared = set() if declared is None else declared
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]  # the arrays (a box masked by optax.partition holds none)
+  shapes_by_module = {module: {rel: tuple(jnp.shape(flat[i][1])) for rel, i in index.items()}
+                      for module, index in leaves_by_module(flat).items()}
+  names, typed = names_by_path(tree), storage_axes(tree)
+  modules = attention_modules(shapes_by_module, layout, caller)
+  if not modules and mode != "matrix":
+    raise ValueError(
+        f"{caller}: no attention module of the layout in the parameters (a module holding the query/key "
+        f"projections it names), so there are no heads to orthogonalize one by one; layout: {layout!r}")
+  table = {}
+  qk_mode = "head" if mode == "head+out" else mode
+  for module, lay in modules.items():
+    shapes, under = shapes_by_module[module], names_under(module, names)
+    found = detect(module, lay, shapes, caller=caller, names=under, typed=names_under(module, typed))
+    for f in found:
+      split = lay.qk_nope_head_dim if isinstance(lay, MLALayout) and f.parts[0][0] == "key_value" else 0
+      table[join(module, f.spec.kernel)] = blocks_for(_form_axes(f), shapes[f.spec.kernel], f.parts, mode=qk_mode,
+                                                      split=split)
+      if f.form == DECLARED:
+        declared.add(join(module, f.spec.kernel))
+    stack = found[0].stack
+    extra = []
+    if isinstance(lay, GQALayout) and lay.value is not None and lay.qkv is None and "v" not in (
+        as_projection(lay.key).parts or ()):
+      extra.append(("value", as_projection(lay.value), ((None, lay.num_kv_heads, lay.head_dim),), qk_mode == "head"))
+    if lay.out is not None:
+      width = lay.v_head_dim if isinstance(lay, MLALayout) else lay.head_dim
+      extra.append(("out", as_projection(lay.out), ((None, lay.num_heads, width),), mode == "head+out"))
+    for kind, proj, parts, required in extra:
+      axes = _find(kind, proj, module, shapes, under, parts, stack, required, lay, caller)
+      if axes is not None:
+        if proj.axes is not None or under.get(proj.kernel) is not None:
+          declared.add(join(module, proj.kernel))
+        sub = "head" if required else "matrix"
+        table[join(module, proj.kernel)] = blocks_for(axes, shapes[proj.kernel], parts, output=kind == "out",
+                                                      mode=sub)
+  return table
+
+
+def _is_spec_leaf(x: Any) -> bool:
+  return x is None or isinstance(x, (MatrixAxes, optax.contrib.MuonDimensionNumbers))
+
+
+def muon_blocks_lookup(matrix_axes: MatrixAxesSpec, layout: Any, mode: str, tree: Any,
+                       caller: str = "scale_by_muon", *,
+                       rms_match: str | None = None) -> Callable[[str, tuple[int, ...]], Blocks]:
+  """Turns ``matrix_axes``, ``layout`` and ``muon_blocks`` into ``(path, shape) -> Blocks``.
+
+  Order per leaf: an explicit entry of a ``matrix_axes`` pytree (or of a callable's result),
+  then the layout, then one ``MatrixAxes`` given for all leaves, logical names, the 2-D
+  default (``matrix_axes_lookup``, which ``rms_match`` is handed to).
+  """
+  spec = matrix_axes(tree) if callable(matrix_axes) and not isinstance(matrix_axes, MatrixAxes) else matrix_axes
+  base = matrix_axes_lookup(spec, tree, rms_match=rms_match)
+  if layout is None:
+    return lambda path, shape: whole(base(path, shape))
+  table = layout_blocks(tree, layout, mode, f"{caller}: layout (muon_blocks={mode!r})")
+  explicit = set()
+  if not _is_spec_leaf(spec):
+    explicit = {path_str(p) for p, leaf in jax.tree_util.tree_flatten_with_path(spec, is_leaf=_is_spec_leaf)[0]
+                if leaf is not None}
+
+  def lookup(path: str, shape: tuple[int, ...]) -> Blocks:
+    if path in table and path not in explicit:
+      return table[path]
+    return whole(base(path, shape))
+
+  return lookup

@@ -1,0 +1,213 @@
+"""Which axes of a parameter form the matrix that Muon orthogonalizes.
+
+Which parameters go to Muon at all is ``_muon.labels``. Decisions depend on paths, shapes and
+logical axis names only, never on values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+
+from .._util import (HEAD_AXIS_NAMES, is_box, LAYER_NAMES, leaf_shape, logical_names, MatrixAxes,
+                     MatrixAxesSpec, names_by_path, path_str)
+from .._clip import declared_matrix_axes, storage_axes
+
+# Logical axis names (Flax's nn.with_logical_partitioning, NNX sharding metadata).
+LAYERS = "layers"  # the name the hints suggest for a stacked-layer axis
+
+
+def _is_dim_numbers(x: Any) -> bool:
+  return isinstance(x, optax.contrib.MuonDimensionNumbers)
+
+
+def _is_spec_leaf(x: Any) -> bool:
+  return x is None or isinstance(x, MatrixAxes) or _is_dim_numbers(x)
+
+
+def as_matrix_axes(spec: Any, where: str = "matrix_axes") -> MatrixAxes | None:
+  """A ``MatrixAxes`` from itself, ``optax.contrib.MuonDimensionNumbers`` or None.
+
+  ``MuonDimensionNumbers(reduction_axis, output_axis)`` is ``MatrixAxes(fan_in=reduction_axis,
+  fan_out=output_axis)``: the reduction axes are the matrix's rows, every other axis is batched.
+  """
+  if spec is None or isinstance(spec, MatrixAxes):
+    return spec
+  if _is_dim_numbers(spec):
+    as_tuple = lambda a: (a,) if isinstance(a, int) else tuple(a)  # noqa: E731
+    return MatrixAxes(as_tuple(spec.reduction_axis), as_tuple(spec.output_axis))
+  raise ValueError(f"{where}: expected a MatrixAxes, an optax.contrib.MuonDimensionNumbers or None, got {spec!r}")
+
+
+def axes_from_names(path: str, shape: tuple[int, ...], names: tuple) -> MatrixAxes:
+  """The matrix of a leaf from its logical axis names.
+
+  Rule: axes named ``"layers"`` are batch axes (a stack of layers). Of the others, in order,
+  the first group is the fan-in and the rest the fan-out: with two axes each is one group;
+  with more, the head axes (``heads``, ``q_heads``, ``kv_heads``, ``kv``, ``head_dim``, ...)
+  form one group and the remaining axes the other, e.g. a DenseGeneral query kernel
+  ``("embed", "heads", "kv")`` is one ``embed x heads*kv`` matrix and an output projection
+  ``("heads", "kv", "embed")`` one ``heads*kv x embed`` matrix. Names that fit neither raise
+  ValueError naming the path, shape and names.
+  """
+  if len(names) != len(shape):
+    raise ValueError(f"{path}: logical axis names {names} do not match the shape {shape}")
+  rest = [a for a, n in enumerate(names) if n not in LAYER_NAMES]
+  fail = (f"{path}: cannot tell the matrix of a parameter of shape {shape} from its logical axis names "
+          f"{names}: expected two non-'{LAYERS}' axes, or a group of head axes {sorted(HEAD_AXIS_NAMES)} "
+          "before or after the other axes; pass matrix_axes=MatrixAxes(fan_in=..., fan_out=...) for it")
+  if len(rest) < 2 or any(names[a] is None for a in rest):
+    raise ValueError(fail)
+  if len(rest) == 2:
+    return MatrixAxes((rest[0],), (rest[1],))
+  is_head = [names[a] in HEAD_AXIS_NAMES for a in rest]
+  splits = [i for i in range(1, len(rest))
+            if len(set(is_head[:i])) == 1 and len(set(is_head[i:])) == 1 and is_head[0] != is_head[i]]
+  if len(splits) != 1:
+    raise ValueError(fail)
+  return MatrixAxes(tuple(rest[:splits[0]]), tuple(rest[splits[0]:]))
+
+
+def logical_matrix_axes(params: Any) -> Any:
+  """A ``matrix_axes`` pytree read from the logical axis names of boxed ``params``.
+
+  Each boxed leaf with names (``nn.Partitioned``, NNX variables with ``out_sharding``)
+  becomes ``axes_from_names``'s ``MatrixAxes``; every other leaf None, and so does a named
+  leaf with fewer than two axes not named ``"layers"`` (a norm scale or bias, stacked or not:
+  not a matrix; the default routing sends it to AdamW), and a 2-D leaf with an unnamed axis
+  (``(in, out)`` as any 2-D leaf). Short names are padded with None as Flax pads them. ``scale_by_muon`` reads the names itself at ``init`` and reuses them for
+  the bare arrays of ``update`` (``nnx.Optimizer``), so this is needed only where a transform
+  never sees the boxes, e.g. ``matrix_axes=logical_matrix_axes(nnx.state(model, nnx.Param))``.
+
+  Example:
+    >>> import flax.linen as nn, jax.numpy as jnp, muonclip_jax as mc
+    >>> params = {"query": {"kernel": nn.Partitioned(jnp.ones((8, 2, 4)), names=("embed", "heads", "kv"))},
+    ...           "mlp": {"kernel": nn.Partitioned(jnp.ones((3, 8, 32)), names=("layers", "embed", "mlp"))},
+    ...           "norm": {"scale": nn.Partitioned(jnp.ones((8,)), names=("embed",))}}
+    >>> axes = mc.logical_matrix_axes(params)
+    >>> axes["query"]["kernel"]  # one embed x heads*kv matrix
+    MatrixAxes(fan_in=(0,), fan_out=(1, 2))
+    >>> axes["mlp"]["kernel"]  # a stack of 3 embed x mlp matrices
+    MatrixAxes(fan_in=(1,), fan_out=(2,))
+    >>> axes["norm"]["scale"] is None  # not a matrix
+    True
+  """
+
+  def axes(p, x):
+    names = logical_names(x) if is_box(x) else None
+    if names is None or sum(n not in LAYER_NAMES for n in names) < 2:  # a vector (norm scale, bias), stacked or not
+      return None
+    if len(names) == 2 and None in names:  # a 2-D matrix with a short or partial spec: (in, out)
+      return None
+    return axes_from_names(path_str(p), leaf_shape(x), names)
+
+  return jax.tree_util.tree_map_with_path(axes, params, is_leaf=is_box)
+
+
+def _undeclared(path: str, shape: tuple[int, ...]) -> ValueError:
+  """The error for a leaf of rank other than 2 whose matrix nobody declared."""
+  hints = ["pass matrix_axes=MatrixAxes(fan_in=..., fan_out=...) for it (or an "
+           "optax.contrib.MuonDimensionNumbers), a pytree of them, or route it to AdamW"]
+  if len(shape) >= 3:
+    lead, *mid, last = shape
+    hints.append(f"if it is a stack of {lead} layers (nn.scan) of {'x'.join(map(str, shape[-2:]))} matrices: "
+                 "MatrixAxes((-2,), (-1,)), or name the stacked axis 'layers' "
+                 "(nn.scan(..., metadata_params={nn.PARTITION_NAME: 'layers'}) with logically partitioned kernels)")
+    hints.append(f"if it is one DenseGeneral kernel (in, heads, head_dim): MatrixAxes((0,), {tuple(range(1, len(shape)))}) "
+                 f"is one {lead} x {math.prod(shape[1:])} matrix, and an output projection (heads, head_dim, out) "
+                 f"is MatrixAxes({tuple(range(len(shape) - 1))}, ({len(shape) - 1},)); for the kernels of Flax's "
+                 "attention modules use matrix_axes=muonclip_jax.attention_matrix_axes(layout)")
+  return ValueError(f"{path}: Muon needs to know which axes of a parameter of shape {shape} form its matrix; "
+                    + "; ".join(hints))
+
+
+def _check_batch_names(path: str, shape: tuple[int, ...], names: tuple, axes: MatrixAxes) -> None:
+  """Raises ValueError when explicit ``axes`` batch over an axis the logical ``names`` call part of a matrix."""
+  if len(names) != len(shape):
+    raise ValueError(f"{path}: logical axis names {names} do not match the shape {shape}")
+  batch, fi, fo = axes.resolve(path, shape)
+  bad = tuple(a for a in batch if names[a] is not None and names[a] not in LAYER_NAMES)
+  if not bad:
+    return
+  try:
+    fix = ("leave this parameter at None in matrix_axes so that its names decide "
+           f"({axes_from_names(path, shape, names)})")
+  except ValueError:
+    fix = "pass MatrixAxes whose batch axes are only stacked-layer axes"
+  count = math.prod(shape[a] for a in batch)
+  rows, cols = math.prod(shape[a] for a in fi), math.prod(shape[a] for a in fo)
+  raise ValueError(
+      f"{path}: matrix_axes={axes} makes axes {bad} of the parameter of shape {shape} batch axes, so Muon would "
+      f"orthogonalize {count} separate {rows}x{cols} matrices; but its logical axis names {names} call "
+      f"{tuple(names[a] for a in bad)} part of the matrix (expected only '{LAYERS}' or unnamed axes as batch "
+      f"axes). {fix[0].upper() + fix[1:]}, or, if it really is a stack of layers, name that axis '{LAYERS}'")
+
+
+def matrix_axes_lookup(spec: MatrixAxesSpec, tree: Any, *,
+                       rms_match: str | None = None) -> Callable[[str, tuple[int, ...]], MatrixAxes]:
+  """Turns a ``matrix_axes`` argument into ``(path, shape) -> MatrixAxes``.
+
+  ``spec`` is ``None``, one ``MatrixAxes`` (or ``optax.contrib.MuonDimensionNumbers``) for
+  every leaf, a pytree of them (``None`` leaves) with the structure of the parameters, or a
+  callable from the parameters to such a pytree. Trees are matched by path, so a sub-tree
+  (as ``optax.partition`` passes) works too. A leaf the spec leaves at ``None`` is resolved,
+  in order, from the type of the layer that owns it (an Equinox ``Linear`` weight is
+  ``(*layers, out, in)``), from its logical axis names when
+  ``tree`` carries them (``axes_from_names``), as ``(in, out)`` when it is 2-D, else with a
+  ValueError naming its path and shape.
+
+  The 2-D default guesses nothing that changes Muon's result when ``rms_match`` is
+  ``"moonlight"`` or None: the orthogonalized ``(out, in)`` matrix is the transpose of the
+  orthogonalized ``(in, out)`` one, with the same RMS factor. Keller's factor
+  ``sqrt(max(1, fan_out / fan_in))`` does depend on which side is the fan-in, so with
+  ``rms_match="keller"`` an undeclared non-square 2-D leaf named ``weight`` (torch's
+  ``(out, in)`` convention) is a ValueError.
+
+  Explicit axes win over logical names, but may not contradict them: an axis the spec makes
+  a batch axis must be named ``"layers"`` (or carry no name, as ``nn.scan`` without a
+  partition name leaves it), else ValueError. So an explicit ``MatrixAxes((-2,), (-1,))``
+  cannot quietly split a DenseGeneral kernel ``("embed", "heads", "kv")`` into one matrix
+  per ``embed`` row.
+  """
+  if callable(spec) and not isinstance(spec, MatrixAxes):
+    spec = spec(tree)
+  if _is_spec_leaf(spec):
+    table, single = None, as_matrix_axes(spec)
+  else:
+    table, single = {}, None
+    for p, leaf in jax.tree_util.tree_flatten_with_path(spec, is_leaf=_is_spec_leaf)[0]:
+      table[path_str(p)] = as_matrix_axes(leaf, f"matrix_axes: leaf at {path_str(p)}")
+  names = names_by_path(tree)
+  typed = storage_axes(tree)
+
+  def lookup(path: str, shape: tuple[int, ...]) -> MatrixAxes:
+    axes = single if table is None else table.get(path)
+    if axes is not None:
+      if path in names:
+        _check_batch_names(path, shape, names[path], axes)
+      return axes
+    if path in typed:
+      return declared_matrix_axes(typed[path])
+    if path in names and not (len(shape) == 2 and None in names[path]):
+      return axes_from_names(path, shape, names[path])
+    if len(shape) == 2:
+      if rms_match == "keller" and shape[0] != shape[1] and path.rpartition("/")[2] == "weight":
+        raise ValueError(
+            f"{path}: a {shape[0]}x{shape[1]} leaf named 'weight' (torch's (out, in) convention?) whose axes "
+            "nothing declares; rms_match='keller' scales by sqrt(max(1, fan_out / fan_in)), which depends on "
+            "which side is the fan-in: pass matrix_axes=MatrixAxes(fan_in=(1,), fan_out=(0,)) for (out, in) "
+            "storage (MatrixAxes((0,), (1,)) for (in, out)), or a pytree of them")
+      return MatrixAxes((0,), (1,))
+    raise _undeclared(path, shape)
+
+  return lookup
+
+
+def matrix_dims(axes: MatrixAxes, path: str, shape: tuple[int, ...]) -> tuple[int, int]:
+  """``(fan_in, fan_out)`` sizes of the matrix of a leaf."""
+  _, fi, fo = axes.resolve(path, shape)
+  return math.prod(shape[a] for a in fi), math.prod(shape[a] for a in fo)

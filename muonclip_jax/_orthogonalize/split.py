@@ -1,0 +1,158 @@
+"""Newton–Schulz of one matrix split over a group of ``g`` devices (inside ``shard_map``).
+
+Each device of the group holds a column slab ``X_j`` (``m x n/g``) of a wide ``m x n``
+matrix (``m <= n``), and ends with the same slab of the result. Both iterations of
+``newton_schulz`` are supported, on a stack ``(q, m, n/g)``:
+
+* ``"standard"``: ``A = sum_j X_j X_j^T`` (one all-reduce of ``m x m`` a step, float32),
+  ``B = b A + c A^2`` with ``A^2`` from half its row blocks (``_sym_full``), then
+  ``X_j <- a X_j + B X_j`` locally.
+* ``"gram"``: ``G = sum_j X_j X_j^T`` (one all-reduce), then the ``m x m`` iteration split
+  by rows: device ``p`` holds rows ``p m/g ..`` of ``Q``. Every iterate is a polynomial in
+  ``G``, so they commute: ``Q_{k+1} = Q_k H_k`` and ``R_{k+1} = R_k H_k H_k``. Each device
+  keeps the whole ``R_k`` and ``H_k``: the symmetric ``R_k^2`` and ``R_k H_k H_k`` come from
+  about half of their row blocks (``_sym_full``: computed, all-gathered, mirrored). About
+  ``6 m^3 / g`` FLOPs a step; ``Q`` is all-gathered once for the final ``Q X_j``.
+
+The input is first divided by its largest magnitude (one all-reduce of a scalar per
+matrix, ``pmax``), as ``newton_schulz`` does, so that squares of entries up to float32's
+largest do not overflow. The Frobenius norm is then ``sqrt(trace(X X^T))`` of the first
+Gram matrix; the Schatten-4 norm follows from it as in ``newton_schulz``. Restarts and a
+traced step count are not supported: such matrices stay whole (``resolve`` returns None).
+Megatron's ``--muon-tp-mode distributed`` likewise all-reduces ``X X^T`` over
+tensor-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .newton_schulz import SYMMETRIC_MIN, apply_factor, divide_by_max, gram_of, schatten4_scale
+from .presets import GRAM_ASPECT, gram_restarts, resolve_coeffs, resolve_options, resolve_steps
+
+
+def resolve(ns_kwargs: dict, m: int, n: int) -> dict | None:
+  """The static iteration of ``newton_schulz(**ns_kwargs)`` on ``m x n`` (``m <= n``), or
+  None when it cannot be split (a traced step count, restarts)."""
+  coeffs = ns_kwargs.get("coeffs", "muon")
+  steps = ns_kwargs.get("steps")
+  if isinstance(steps, jax.core.Tracer):
+    return None
+  steps = resolve_steps(steps, coeffs)
+  table, norm_scale = resolve_coeffs(coeffs, steps)
+  method = ns_kwargs.get("method", "standard")
+  normalize, restarts = resolve_options(coeffs, steps, method, ns_kwargs.get("normalize"),
+                                            ns_kwargs.get("restarts", ()))
+  gram = method == "gram" or (method == "auto" and n >= GRAM_ASPECT * m)
+  if restarts or (gram and gram_restarts(coeffs, steps, restarts)):
+    return None
+  return dict(steps=steps, table=table, norm_scale=norm_scale, schatten4=normalize == "schatten4", gram=gram,
+              eps=ns_kwargs.get("eps", 1e-7), compute_dtype=ns_kwargs.get("compute_dtype"))
+
+
+def _half(g: int) -> int:
+  """Blocks per block row that ``_sym_full`` computes: ``(p, p + i mod g)``, ``i <= g // 2``."""
+  return g // 2 + 1
+
+
+def cost(it: dict, m: int, n: int, g: int, itemsize: int) -> tuple[float, list[tuple[str, int, float]]]:
+  """(FLOPs per device, [(collective, result bytes, group size)]) of one matrix split over ``g``.
+
+  The collectives are those of ``iterate`` on one matrix; a stack of ``q`` has ``q`` times
+  the bytes in the same collectives. They carry float32 whatever the compute dtype (the
+  ``m x m`` matrices are formed and reduced in float32; XLA:CPU would widen a bf16
+  reduction anyway), so ``itemsize`` is unused here. The FLOPs count the matmuls and, unlike ``ns_flops``,
+  the ``m x m`` elementwise work every device of the group repeats (``4 m^2`` a step: the
+  polynomial ``a I + b R + c R^2``), which matters once ``g`` approaches ``m``.
+  """
+  w, r, h = n // g, m // g, _half(g)
+  K = it["steps"]
+  sym = 0.75 if m >= SYMMETRIC_MIN and m % 2 == 0 else 1.0
+  half = 2 * h * r * r * m  # a symmetric m x m product from row blocks (``_sym_full``)
+  half_bytes = g * h * r * r
+  amax = [("all-reduce", 4, g)]  # the largest magnitude (pmax), one float32 per matrix
+  if not it["gram"]:
+    flops = K * (sym * 2 * m * m * w + half + 2 * m * m * w + 4 * m * m)
+    return flops, amax + [("all-reduce", m * m * 4, g), ("all-gather", half_bytes * 4, g)] * K
+  f = sym * 2 * m * m * w + 2 * m * m * w
+  f += K * (half + 4 * m * m) + (K - 1) * 2 * r * m * m + (K - 1) * (2 * r * m * m + half)
+  wb = 4  # the m x m iteration runs in float32 (or wider)
+  colls = [("all-reduce", m * m * wb, g)] + [("all-gather", half_bytes * wb, g)] * (2 * K - 1)
+  return f, amax + colls + [("all-gather", m * m * wb, g)]
+
+
+def _rows(x: jax.Array, p: jax.Array, r: int) -> jax.Array:
+  return jax.lax.dynamic_slice_in_dim(x, p * r, r, axis=-2)
+
+
+def _sym_full(rows: jax.Array, right: jax.Array, p: jax.Array, g: int, axes: tuple[str, ...]) -> jax.Array:
+  """The whole ``L @ right`` (``(q, m, m)``), known to be symmetric, from ``rows = L``'s row
+  block ``p`` on device ``p``: each device computes the blocks ``(p, p + i mod g)``,
+  ``i <= g // 2`` (every block or its mirror once, about half), all-gathers them, and
+  mirrors the rest."""
+  q, r, m = rows.shape
+  h = _half(g)
+  cols = jnp.take(right.reshape(q, m, g, r), (p + jnp.arange(h)) % g, axis=2)  # (q, m, h, r)
+  mine = jnp.einsum("qrm,qmjc->qjrc", rows, cols)  # (q, h, r, r): blocks (p, p + j)
+  every = jax.lax.all_gather(mine, axes, axis=1).reshape(q, g * h, r, r)
+  pool = jnp.concatenate([every, jnp.swapaxes(every, -1, -2)], axis=1)
+  idx = np.full((g, g), -1)
+  for a in range(g):
+    for i in range(h):
+      idx[a, (a + i) % g] = a * h + i
+  for a in range(g):
+    for i in range(h):
+      if idx[(a + i) % g, a] < 0:
+        idx[(a + i) % g, a] = g * h + a * h + i
+  blocks = jnp.take(pool, jnp.asarray(idx.reshape(-1)), axis=1).reshape(q, g, g, r, r)
+  return jnp.swapaxes(blocks, 2, 3).reshape(q, m, m)
+
+
+def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
+  """The polar factor's slabs of a stack of split matrices; ``x``: ``(q, m, n/g)`` slabs."""
+  dtype = jnp.dtype(it["compute_dtype"]) if it["compute_dtype"] is not None else x.dtype
+  wdtype = jnp.promote_types(dtype, jnp.float32)
+  table = np.asarray(it["table"])
+  last = table.shape[0] - 1
+  eps, K = it["eps"], it["steps"]
+  m = x.shape[-2]
+  r = m // g
+  p = jax.lax.axis_index(axes)
+  xf = x.astype(jnp.float32)
+  amax = jax.lax.pmax(jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True), axes)
+  amax = jnp.where(amax > 0, amax, 1.0)
+  y = divide_by_max(xf, amax)  # |y| <= 4: no square overflows (see newton_schulz)
+  floor = eps / amax
+  X = y.astype(dtype)
+  gram_f = lambda X, t=None: jax.lax.psum(gram_of(X, False, t), axes)
+  A = gram_f(X, jnp.float32)  # X X^T of x / max |x|, float32: its trace is the squared norm
+  fro = jnp.sqrt(jnp.trace(A, axis1=-2, axis2=-1))[..., None, None]
+  denom = fro * (1.0 if it["schatten4"] else it["norm_scale"]) + floor
+  X = (y / denom).astype(dtype)
+  A = A / (denom * denom)
+  if it["schatten4"]:
+    s = schatten4_scale(A, it["norm_scale"], eps)
+    A = A / (s * s)
+    X = (X.astype(jnp.float32) / s).astype(dtype)
+  if not it["gram"]:
+    for k in range(K):
+      a, b, c = (float(v) for v in table[min(k, last)])
+      if k:
+        A = gram_f(X, jnp.float32)
+      B = (b * A + c * _sym_full(_rows(A, p, r), A, p, g, axes)).astype(dtype)
+      X = a * X + jnp.matmul(B, X)
+    return X.astype(x.dtype)
+  R = A.astype(wdtype)
+  eye = jnp.broadcast_to(jnp.eye(m, dtype=wdtype), R.shape)
+  Q_rows = None
+  for k in range(K):
+    a, b, c = (float(v) for v in table[min(k, last)])
+    R_rows = _rows(R, p, r)
+    H = a * eye + b * R + c * _sym_full(R_rows, R, p, g, axes)
+    Q_rows = _rows(H, p, r) if Q_rows is None else jnp.matmul(Q_rows, H)
+    if k + 1 < K:
+      R = _sym_full(jnp.matmul(R_rows, H), H, p, g, axes)  # R H H = H R H
+  Q = jax.lax.all_gather(Q_rows, axes, axis=1, tiled=True)
+  return apply_factor(Q, X, False).astype(x.dtype)

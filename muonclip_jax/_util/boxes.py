@@ -1,0 +1,94 @@
+"""Parameters that carry metadata (Flax boxes), their logical axis names, and metadata read once.
+
+Linen wraps a parameter in ``nn.Partitioned``/``nn.LogicallyPartitioned``; NNX keeps it in an
+``nnx.Variable`` whose metadata holds its ``sharding`` (``out_sharding``) names. Bare arrays
+carry nothing. ``nnx.Optimizer`` hands an optimizer's ``init`` the boxed ``nnx.Param`` values
+and its ``update`` bare arrays, so whatever is derived from metadata is derived once, at
+``init``, and recalled at ``update`` for the bare tree of the same paths and shapes
+(``MetadataMemo``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.core import meta as flax_meta
+
+from .paths import path_str
+
+
+def is_box(x: Any) -> bool:
+  """A leaf that carries metadata: Linen ``nn.Partitioned``-style boxes, NNX variables."""
+  return isinstance(x, (flax_meta.AxisMetadata, nnx.Variable))
+
+
+def leaf_shape(x: Any) -> tuple[int, ...]:
+  """The shape of a leaf or of the one array in a box."""
+  leaves = jax.tree.leaves(x) if is_box(x) else [x]
+  return tuple(jnp.shape(leaves[0])) if len(leaves) == 1 else ()
+
+
+def logical_names(leaf: Any) -> tuple | None:
+  """The logical axis names of a boxed leaf (``nn.Partitioned.names``, NNX ``out_sharding``).
+
+  A spec shorter than the leaf's rank is padded with ``None`` at the end, as Flax pads it
+  (``PartitionSpec(*names)`` leaves the trailing axes unsharded): ``nnx.with_partitioning(init,
+  (None, "model"))`` on a ``(64, 4, 16)`` kernel names it ``(None, "model", None)``.
+  """
+  names = None
+  if isinstance(leaf, flax_meta.Partitioned):
+    names = tuple(leaf.names)
+  elif isinstance(leaf, nnx.Variable):
+    meta = leaf.get_metadata()
+    for key in ("out_sharding", "sharding_names", "sharding"):
+      if meta.get(key) is not None:
+        names = tuple(meta[key])
+        break
+  if names is None:
+    return None
+  rank = len(leaf_shape(leaf))
+  return names + (None,) * (rank - len(names)) if len(names) < rank else names
+
+
+def names_by_path(tree: Any) -> dict[str, tuple]:
+  """``{path: logical names}`` of the boxed leaves of ``tree``."""
+  table = {}
+  for p, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]:
+    names = logical_names(leaf) if is_box(leaf) else None
+    if names is not None:
+      table[path_str(p)] = names
+  return table
+
+
+def has_boxes(tree: Any) -> bool:
+  return any(is_box(x) for x in jax.tree.leaves(tree, is_leaf=is_box))
+
+
+def skeleton(tree: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
+  """The paths and shapes of a tree's array leaves, the same for a boxed tree and its bare arrays
+  (a box around an empty node, as ``optax.masked`` leaves one, counts as nothing, as the node)."""
+  return tuple((path_str(p), tuple(jnp.shape(x))) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0])
+
+
+class MetadataMemo:
+  """What one transform derived from a boxed tree, by path, for the bare tree of the same skeleton.
+
+  ``remember(tree, table)`` stores ``{path: value}`` when ``tree`` has boxes; ``recall(tree)``
+  returns the table stored for a bare ``tree`` of the same paths and shapes, else None (a
+  boxed tree, or one never seen boxed, is read afresh). Python state at trace time only.
+  """
+
+  def __init__(self):
+    self._tables: dict[tuple, dict[str, Any]] = {}
+
+  def remember(self, tree: Any, table: dict[str, Any]) -> None:
+    if has_boxes(tree):
+      self._tables[skeleton(tree)] = dict(table)
+
+  def recall(self, tree: Any) -> dict[str, Any] | None:
+    if has_boxes(tree):
+      return None
+    return self._tables.get(skeleton(tree))

@@ -1,0 +1,102 @@
+"""``MatrixAxes``: which axes of a parameter are the rows and columns of Muon's matrix.
+
+``to_matrices``/``from_matrices`` turn a leaf into the ``(count, rows, cols)`` stack of its
+matrices and back; Muon (``_muon``) and the distributed Newton–Schulz (``_orthogonalize.distributed``)
+both use them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixAxes:
+  """Which axes of a parameter are the rows (fan-in) and columns (fan-out) of its matrix.
+
+  Every other axis is a batch axis: the parameter is a stack of independent matrices, each
+  orthogonalized on its own. The matrix of a leaf is ``prod(fan_in sizes) x prod(fan_out
+  sizes)``. Negative axes count from the end.
+
+  Examples: a Dense kernel ``(in, out)`` is ``MatrixAxes((0,), (1,))`` (the default for
+  2-D leaves); a kernel stacked by ``nn.scan``, ``(layers, in, out)``, is
+  ``MatrixAxes((-2,), (-1,))``; a DenseGeneral kernel ``(in, heads, head_dim)`` is
+  ``MatrixAxes((0,), (1, 2))``; an output projection ``(heads, head_dim, out)`` is
+  ``MatrixAxes((0, 1), (2,))``.
+
+  Attributes:
+    fan_in: axes that form the rows.
+    fan_out: axes that form the columns.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, muonclip_jax as mc
+    >>> axes = mc.MatrixAxes(fan_in=(0,), fan_out=(1, 2))  # a DenseGeneral kernel (in, heads, head_dim)
+    >>> axes.resolve("attn/query/kernel", (8, 2, 4))  # (batch, fan_in, fan_out) axes
+    ((), (0,), (1, 2))
+    >>> kernel = (jnp.eye(8) + 0.3 * jax.random.normal(jax.random.key(0), (8, 8))).reshape(8, 2, 4)
+    >>> opt = mc.scale_by_muon(matrix_axes=axes, rms_match=None, ns_coeffs="polar_express", ns_steps=8)
+    >>> updates, _ = opt.update({"k": kernel}, opt.init({"k": kernel}))
+    >>> updates["k"].shape  # orthogonalized as one 8 x 8 matrix, returned in the kernel's shape
+    (8, 2, 4)
+    >>> jnp.round(jnp.linalg.svd(updates["k"].reshape(8, 8), compute_uv=False), 2)
+    Array([1., 1., 1., 1., 1., 1., 1., 1.], dtype=float32)
+  """
+
+  fan_in: tuple[int, ...]
+  fan_out: tuple[int, ...]
+
+  def __post_init__(self):
+    object.__setattr__(self, "fan_in", tuple(int(a) for a in self.fan_in))
+    object.__setattr__(self, "fan_out", tuple(int(a) for a in self.fan_out))
+    if not self.fan_in or not self.fan_out:
+      raise ValueError(f"MatrixAxes needs at least one fan_in and one fan_out axis, got {self}")
+
+  def resolve(self, path: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Returns ``(batch, fan_in, fan_out)`` axes of ``shape``, normalized to be non-negative."""
+    nd = len(shape)
+    for a in self.fan_in + self.fan_out:
+      if not -nd <= a < nd:
+        raise ValueError(f"{path}: {self} names axis {a}, but the parameter has shape {shape}")
+    fi = tuple(a % nd for a in self.fan_in)
+    fo = tuple(a % nd for a in self.fan_out)
+    if len(set(fi + fo)) != len(fi + fo):
+      raise ValueError(f"{path}: {self} repeats an axis of shape {shape}")
+    batch = tuple(a for a in range(nd) if a not in fi + fo)
+    return batch, fi, fo
+
+
+MatrixAxesSpec = MatrixAxes | Any | Callable[[Any], Any] | None
+
+
+def to_matrices(x: jax.Array, batch: tuple[int, ...], fan_in: tuple[int, ...], fan_out: tuple[int, ...], *,
+                transpose: bool = False) -> jax.Array:
+  """``x`` as the ``(count, rows, cols)`` stack of its matrices (``(count, cols, rows)`` with ``transpose``).
+
+  ``batch``, ``fan_in`` and ``fan_out`` are non-negative axes of ``x``
+  (``MatrixAxes.resolve``): the batch axes are flattened into ``count``, the fan-in axes
+  into ``rows`` and the fan-out axes into ``cols``, each in the order given.
+  """
+  perm = batch + fan_in + fan_out
+  moved = x if perm == tuple(range(x.ndim)) else jnp.transpose(x, perm)
+  rows = math.prod(x.shape[a] for a in fan_in)
+  cols = math.prod(x.shape[a] for a in fan_out)
+  w = moved.reshape((math.prod(x.shape[a] for a in batch), rows, cols))
+  return jnp.swapaxes(w, -1, -2) if transpose else w
+
+
+def from_matrices(w: jax.Array, shape: tuple[int, ...], batch: tuple[int, ...], fan_in: tuple[int, ...],
+                  fan_out: tuple[int, ...], *, transpose: bool = False) -> jax.Array:
+  """The inverse of ``to_matrices``: a stack of matrices back into a leaf of shape ``shape``."""
+  perm = batch + fan_in + fan_out
+  if transpose:
+    w = jnp.swapaxes(w, -1, -2)
+  out = w.reshape(tuple(shape[a] for a in perm))
+  if perm != tuple(range(len(shape))):
+    out = jnp.transpose(out, tuple(perm.index(a) for a in range(len(shape))))
+  return out

@@ -1,0 +1,9 @@
+"""Capture adapters: Flax attention functions and sowing of max logits."""
+
+from .flax_attention import dot_product_attention
+from .flax_weights import dot_product_attention_weights
+from .sow import capturing, sow_head_max, sow_max_logits
+
+__all__ = [
+    "capturing", "dot_product_attention", "dot_product_attention_weights", "sow_head_max", "sow_max_logits",
+]

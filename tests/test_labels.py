@@ -1,0 +1,260 @@
+"""Default routing of muon_adamw: hidden matrices to Muon, everything else to AdamW."""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import muonclip_jax as mc
+
+
+class TinyLM(nn.Module):
+  """Embedding, a scanned block (kernel, norm scale, bias) and an LM head."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(32, 16, name="embed")(tokens)
+
+    class Block(nn.Module):
+      @nn.compact
+      def __call__(self, x, _):
+        h = nn.RMSNorm(name="norm")(x)
+        return x + nn.Dense(16, name="mlp")(h), None
+
+    x, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)(name="layers")(x, None)
+    x = nn.Dense(16, use_bias=False, name="proj")(x)
+    return nn.Dense(32, name="lm_head")(x)
+
+
+def test_default_labels_on_a_flax_model():
+  params = TinyLM().init(jax.random.key(0), jnp.zeros((2, 5), jnp.int32))["params"]
+  labels = mc.muon_labels(params)
+  assert labels == {
+      "embed": {"embedding": "adam"},
+      "layers": {"norm": {"scale": "adam"}, "mlp": {"kernel": "muon", "bias": "adam"}},
+      "proj": {"kernel": "muon"},
+      "lm_head": {"kernel": "adam", "bias": "adam"},
+  }
+  assert params["layers"]["norm"]["scale"].shape == (3, 16)  # 2-D, yet not a matrix
+
+
+def _train(opt, params, model, steps=2):
+  state = opt.init(params)
+  tokens = jnp.arange(10).reshape(2, 5) % 32
+
+  def loss(p):
+    logits = model.apply({"params": p}, tokens)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+
+  @jax.jit
+  def step(p, s):
+    grads = jax.grad(loss)(p)
+    u, s = opt.update(grads, s, p)
+    return optax.apply_updates(p, u), s
+
+  for _ in range(steps):
+    params, state = step(params, state)
+  return params, state
+
+
+def test_muon_adamw_routes_scanned_model_and_embeddings_stay_adamw():
+  model = TinyLM()
+  params = model.init(jax.random.key(0), jnp.zeros((2, 5), jnp.int32))["params"]
+  opt = mc.muon_adamw(1e-2, matrix_axes=mc.MatrixAxes((-2,), (-1,)))
+  new, state = _train(opt, params, model)
+  chex.assert_tree_all_finite(new)
+  muon_state = state.inner_states["muon"].inner_state[0]
+  adam_state = state.inner_states["adam"].inner_state[0]
+  # Muon momentum exists only for the two hidden matrices; the embedding is AdamW's.
+  muon_leaves = {jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(muon_state.mu)}
+  assert muon_leaves == {"['layers']['mlp']['kernel']", "['proj']['kernel']"}
+  assert adam_state.mu["embed"]["embedding"].shape == (32, 16)
+
+
+def test_scanned_kernel_without_matrix_axes_is_an_error():
+  model = TinyLM()
+  params = model.init(jax.random.key(0), jnp.zeros((2, 5), jnp.int32))["params"]
+  with pytest.raises(ValueError, match=r"layers/mlp/kernel: .*shape \(3, 16, 16\)"):
+    mc.muon_adamw(1e-2).init(params)
+
+
+def test_label_tree_and_callable_override():
+  params = {"a": {"kernel": jnp.ones((8, 8))}, "b": {"kernel": jnp.ones((8, 8))}}
+  tree = {"a": {"kernel": "muon"}, "b": {"kernel": "adam"}}
+  g = jax.tree.map(lambda x: jnp.sin(x * jnp.arange(8.0)[None, :]), params)
+  for labels in (tree, lambda p: tree):
+    opt = mc.muon_adamw(0.1, labels=labels, weight_decay=0.0)
+    u, _ = opt.update(g, opt.init(params), params)
+    ref_muon, _ = mc.muon(0.1, weight_decay=0.0).update(g["a"], mc.muon(0.1).init(g["a"]), params["a"])
+    chex.assert_trees_all_close(u["a"]["kernel"], ref_muon["kernel"], atol=1e-6)
+    adam = optax.adamw(0.1, b1=0.9, b2=0.95, weight_decay=0.0)
+    ref_adam, _ = adam.update(g["b"], adam.init(g["b"]), params["b"])
+    chex.assert_trees_all_close(u["b"]["kernel"], ref_adam["kernel"], atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "path,shape,label",
+    [
+        ("decoder/layers_0/attn/wq/kernel", (64, 64), "muon"),
+        ("tok_embeddings/weight", (100, 64), "adam"),
+        ("transformer/wte/embedding", (100, 64), "adam"),
+        ("output/kernel", (64, 100), "adam"),
+        ("head/kernel", (64, 10), "adam"),
+        ("attn/wq/bias", (64,), "adam"),
+        ("layers/norm/scale", (4, 64), "adam"),
+        ("layers/mlp/kernel", (4, 64, 256), "muon"),
+        ("heads/kernel", (64, 64), "muon"),  # "heads" is not "head"
+    ],
+)
+def test_default_label_rules(path, shape, label):
+  from muonclip_jax._muon.labels import default_label
+
+  assert default_label(path, shape) == label
+
+
+def test_boxed_params_are_routed_by_path_without_value_suffix():
+  class M(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(8, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp")))(x)
+
+  boxed = M().init(jax.random.key(0), jnp.ones((1, 4)))["params"]
+  labels = mc.muon_labels(boxed)
+  assert jax.tree.leaves(labels) == ["adam", "muon"]  # bias, kernel
+  opt = mc.muon_adamw(0.1)
+  state = opt.init(nn.unbox(boxed))
+  assert np.isfinite(jax.tree.leaves(state)[-1]).all()
+
+
+def _partitioned(names):
+  return nnx.with_partitioning(nnx.initializers.lecun_normal(), names, eager_sharding=False)
+
+
+class _VocabModel(nnx.Module):
+  """An NNX model whose routing needs names, a vocabulary size and Flax-style short sharding specs."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(64, 32, rngs=rngs)
+    self.gen = nnx.LinearGeneral(32, (4, 8), kernel_init=_partitioned((None, "model")), rngs=rngs)  # short spec
+    self.proj = nnx.Linear(32, 32, kernel_init=_partitioned(("embed",)), rngs=rngs)  # short spec, 2-D
+    self.query = nnx.LinearGeneral(32, (4, 8), kernel_init=_partitioned(("embed", "heads", "kv")), use_bias=False,
+                                   rngs=rngs)  # its names say which axes form the matrix
+    self.norm = nnx.RMSNorm(32, scale_init=nnx.with_partitioning(nnx.initializers.ones, ("embed",),
+                                                                 eager_sharding=False), rngs=rngs)
+    self.aux = nnx.Linear(32, 48, kernel_init=_partitioned(("embed", "vocab")), rngs=rngs)  # only its name says
+    self.readout = nnx.Linear(32, 64, rngs=rngs)  # only the embedding's vocabulary size says
+    self.output_layer = nnx.Linear(32, 64, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    x = self.proj(self.gen(x).reshape(x.shape) + self.query(x).reshape(x.shape))
+    x = self.norm(x)
+    return self.readout(x) + self.output_layer(x) + self.aux(x).sum(-1, keepdims=True)
+
+
+def test_nnx_optimizer_init_and_update_route_alike():
+  model = _VocabModel(nnx.Rngs(0))
+  params = nnx.state(model, nnx.Param)
+  labels = nnx.to_pure_dict(mc.muon_labels(params))
+  want = {"embed": {"embedding": "adam"}, "gen": {"kernel": "muon", "bias": "adam"},
+          "proj": {"kernel": "muon", "bias": "adam"}, "query": {"kernel": "muon"}, "norm": {"scale": "adam"},
+          "aux": {"kernel": "adam", "bias": "adam"}, "readout": {"kernel": "adam", "bias": "adam"},
+          "output_layer": {"kernel": "adam", "bias": "adam"}}
+  assert labels == want
+  assert mc.muon_labels(nnx.to_pure_dict(params))["aux"]["kernel"] == "muon"  # bare: no name
+  from muonclip_jax._muon.labels import default_label
+
+  vocab = frozenset({(64, 32)})  # (vocabulary, width) of the embedding
+  assert default_label("readout/kernel", (64, 32), vocab=vocab) == "adam"
+  assert default_label("readout/kernel", (32, 48), vocab=vocab) == "muon"
+  assert default_label("layers_0/mlp/kernel", (32, 64), vocab=vocab) == "muon"  # an MLP as wide as the vocabulary
+  assert default_label("h/1/mlp/c_fc/kernel", (64, 32), vocab=vocab) == "muon"
+  assert default_label("up/kernel", (32, 64), ("embed", "mlp"), vocab=vocab) == "muon"  # names decide
+  for head in ("output_layer", "logits_dense", "unembed", "head"):
+    assert default_label(f"decoder/{head}/kernel", (32, 100)) == "adam"
+  # logical_matrix_axes: 1-D named leaves are not matrices; short specs are padded as Flax pads them
+  axes = mc.logical_matrix_axes({k: v for k, v in params.items() if k != "gen"})
+  assert axes["norm"]["scale"] is None and axes["proj"]["kernel"] is None  # 2-D: (in, out)
+  assert axes["aux"]["kernel"] == mc.MatrixAxes((0,), (1,))
+  with pytest.raises(ValueError, match=r"gen/kernel: cannot tell the matrix .*\(None, 'model', None\)"):
+    mc.logical_matrix_axes(params)
+  gen_axes = {"gen": {"kernel": mc.MatrixAxes((0,), (1, 2))}}  # (None, "model") names no matrix: declared
+  opt = nnx.Optimizer(model, mc.muon_adamw(0.02, matrix_axes=gen_axes), wrt=nnx.Param)
+  tokens = jnp.arange(12).reshape(2, 6) % 64
+  grads = nnx.grad(lambda m: m(tokens).mean())(model)
+  plain = nnx.to_pure_dict(params)
+  opt.update(model, grads)  # init saw nnx.Param boxes, update sees bare arrays
+  # the same step on bare arrays with the labels and matrices written out
+  ref = mc.muon_adamw(0.02, labels=want, matrix_axes=gen_axes | {"query": {"kernel": mc.MatrixAxes((0,), (1, 2))}})
+  u, _ = ref.update(nnx.to_pure_dict(grads), ref.init(plain), plain)
+  chex.assert_trees_all_close(nnx.to_pure_dict(nnx.state(model, nnx.Param)), optax.apply_updates(plain, u),
+                              atol=1e-6)
+
+
+class _ScannedGain(nn.Module):
+  """``nn.scan`` without logical names over a block with a gain that is not named ``scale``."""
+
+  @nn.compact
+  def __call__(self, x):
+    class Block(nn.Module):
+      @nn.compact
+      def __call__(self, x, _):
+        gain = self.param("gain", nn.initializers.ones, (x.shape[-1],))
+        return x + nn.Dense(x.shape[-1], use_bias=False, name="mlp")(x * gain[None, :]), None
+
+    return nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)(name="layers")(x, None)[0]
+
+
+def _flat_labels(params):
+  from muonclip_jax._util import path_str
+
+  return {path_str(p): l for p, l in jax.tree_util.tree_flatten_with_path(mc.muon_labels(params))[0]}
+
+
+def test_stacked_vectors_go_to_adamw_when_their_stack_shows_the_layer_axis():
+  """A vector per layer of a stack, (layers, dim), is not a matrix: nn.scan without names, an Equinox
+  filter_vmap stack of a layer type the library does not know, a hand-made stack."""
+  import equinox as eqx
+
+  flax_params = jax.eval_shape(_ScannedGain().init, jax.random.key(0), jnp.ones((2, 8)))["params"]
+  assert _flat_labels(flax_params) == {"layers/gain": "adam", "layers/mlp/kernel": "muon"}
+
+  class Custom(eqx.Module):  # an unknown type holding a raw gain next to a Linear
+    gain: jax.Array
+    proj: eqx.nn.Linear
+
+    def __init__(self, key):
+      self.gain, self.proj = jnp.ones(8), eqx.nn.Linear(8, 8, use_bias=False, key=key)
+
+  stacked = eqx.filter(eqx.filter_vmap(Custom)(jax.random.split(jax.random.key(0), 3)), eqx.is_array)
+  assert _flat_labels({"blocks": stacked}) == {"blocks/gain": "adam", "blocks/proj/weight": "muon"}
+  by_hand = {"layers": {"ffn": {"w_in": jnp.ones((3, 8, 16)), "w_out": jnp.ones((3, 16, 8))},
+                        "gate_gain": jnp.ones((3, 8)), "w_gate": jnp.ones((3, 8, 8))},
+             "final": {"w": jnp.ones((8, 8)), "b": jnp.ones((8,))}}
+  assert _flat_labels(by_hand) == {"layers/ffn/w_in": "muon", "layers/ffn/w_out": "muon",
+                                   "layers/gate_gain": "adam", "layers/w_gate": "muon",
+                                   "final/w": "muon", "final/b": "adam"}
+
+
+def test_what_shows_no_stack_keeps_its_matrices_and_the_listed_rules_decide():
+  from muonclip_jax._muon.labels import default_label
+
+  # unstacked modules: a rank-1 vector, or leading sizes that differ, show there is no stack
+  dense_general = {"attn": {"q": jnp.ones((16, 2, 8)), "k": jnp.ones((16, 2, 8)), "o": jnp.ones((16, 16)),
+                            "o_bias": jnp.ones((16,))}}
+  assert _flat_labels(dense_general)["attn/o"] == "muon"
+  mlp = {"mlp": {"w1": jnp.ones((16, 64)), "w2": jnp.ones((64, 16)), "w3": jnp.ones((16, 2, 32))}}
+  assert set(_flat_labels(mlp).values()) == {"muon"}
+  only_2d = {"attn": {"wq": jnp.ones((16, 16)), "wk": jnp.ones((16, 16))}}  # no stacked matrix: nothing shows
+  assert set(_flat_labels(only_2d).values()) == {"muon"}
+  # nothing shows the stack: a lone (layers, dim) leaf is read as a matrix (rule 10), unless named as a norm
+  assert _flat_labels({"gains": jnp.ones((3, 16))}) == {"gains": "muon"}
+  assert _flat_labels({"final_norm": {"weight": jnp.ones((3, 16))}}) == {"final_norm/weight": "adam"}
+  assert default_label("h/ln_f/weight", (3, 16)) == default_label("h/ln_1/g", (3, 16)) == "adam"
+  # logical names: fewer than two axes besides "layers" is a vector per layer
+  assert default_label("blocks/gain", (3, 16), ("layers", "embed")) == "adam"
+  assert default_label("blocks/w", (3, 16, 16), ("layers", "embed", "mlp")) == "muon"
