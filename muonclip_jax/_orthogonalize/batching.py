@@ -158,8 +158,8 @@ def _loop(sources: list[Callable], counts: list[int], ns: Callable, ns_kwargs: d
   ``after`` does per leaf elsewhere.
   """
   where = [(f, k) for f, c in zip(sources, counts) for k in range(c)]
-  shape = jax.eval_shape(sources[0]).shape[1:]
-  dtype = jax.eval_shape(sources[0]).dtype
+  first = jax.eval_shape(sources[0])
+  shape, dtype = first.shape[1:], first.dtype
   k = per_call(shape[0], shape[1], len(where), ns_kwargs)
   steps = -(-len(where) // k)
 
