@@ -34,6 +34,19 @@ def gpt2_hidden_matrices(layers: int, d: int = 768) -> dict:
   return {f"h{i}": {n: jax.random.normal(next(keys), s, jnp.float32) for n, s in shapes.items()} for i in range(layers)}
 
 
+def mla_hidden_matrices(layers: int, d: int = 1024, heads: int = 8, q_lora: int = 384, kv_lora: int = 256,
+                        nope: int = 64, rope: int = 32, v: int = 64, ffn: int = 2816) -> dict:
+  """DeepSeek-V2/V3-style MLA block shapes, scaled down (hidden 1024, 8 heads, SwiGLU 2816)."""
+  shapes = {
+      "wq_a": (d, q_lora), "wq_b": (q_lora, heads * (nope + rope)), "wkv_a": (d, kv_lora + rope),
+      "wkv_b": (kv_lora, heads * (nope + v)), "wo": (heads * v, d),
+      "w_gate": (d, ffn), "w_up": (d, ffn), "w_down": (ffn, d),
+  }
+  keys = iter(jax.random.split(jax.random.key(1), len(shapes) * layers))
+  return {f"l{i}": {n: jax.random.normal(next(keys), s, jnp.float32) for n, s in shapes.items()}
+          for i in range(layers)}
+
+
 def contenders() -> dict:
   return {
       "optax.contrib.muon": contrib.muon(

@@ -44,26 +44,10 @@ from optax import contrib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import muonclip_jax as mc  # noqa: E402
-from bench_muon import gpt2_hidden_matrices  # noqa: E402
+from bench_muon import gpt2_hidden_matrices, mla_hidden_matrices  # noqa: E402
 from muonclip_jax._orthogonalize import ns_flops, presets  # noqa: E402
 
 CUTOFF = 3e-3  # singular values below this fraction of the Frobenius norm are left out of bands
-
-
-# ----------------------------------------------------------------------------- matrix sets
-
-
-def mla_hidden_matrices(layers: int, d: int = 1024, heads: int = 8, q_lora: int = 384, kv_lora: int = 256,
-                        nope: int = 64, rope: int = 32, v: int = 64, ffn: int = 2816) -> dict:
-  """DeepSeek-V2/V3-style MLA block shapes, scaled down (hidden 1024, 8 heads, SwiGLU 2816)."""
-  shapes = {
-      "wq_a": (d, q_lora), "wq_b": (q_lora, heads * (nope + rope)), "wkv_a": (d, kv_lora + rope),
-      "wkv_b": (kv_lora, heads * (nope + v)), "wo": (heads * v, d),
-      "w_gate": (d, ffn), "w_up": (d, ffn), "w_down": (ffn, d),
-  }
-  keys = iter(jax.random.split(jax.random.key(1), len(shapes) * layers))
-  return {f"l{i}": {n: jax.random.normal(next(keys), s, jnp.float32) for n, s in shapes.items()}
-          for i in range(layers)}
 
 
 def flops_of(params: dict, **kw) -> int:
