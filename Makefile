@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -n 2 -q --durations=20 tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile -q --durations=20 tests
 
 demo: $(VENV)/.installed
 	$(BIN)/python examples/train_mla_lm.py --out runs/demo
