@@ -20,6 +20,7 @@ Usage::
   PYTHONPATH=. python benchmarks/bench_compile.py                  # 12, 24, 48, 96 layers
   PYTHONPATH=. python benchmarks/bench_compile.py --sharded        # the distributed path, 8 devices
   PYTHONPATH=. python benchmarks/bench_compile.py --layers 12 --trees gpt --repeats 2   # quick
+  PYTHONPATH=. python benchmarks/bench_compile.py --layers 48 96 --trees gpt --only optax.adamw "(default)"
 """
 
 from __future__ import annotations
@@ -125,6 +126,9 @@ def main() -> None:
   parser.add_argument("--trees", nargs="*", default=list(TREES), choices=list(TREES))
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--sharded", action="store_true", help="8 fake CPU devices, params sharded (FSDP)")
+  parser.add_argument("--only", nargs="*", default=None, metavar="NAME",
+                      help="time only the contenders whose names contain one of these strings (substrings: "
+                           "'adamw' also matches mc.muon_adamw; 'optax.adamw' does not)")
   parser.add_argument("--call-flops", type=float, nargs="*", default=[],
                       help="also time the default with these per-call FLOP budgets (the accelerator rule's "
                            "CALL_FLOPS; 0: one matrix per call)")
@@ -141,6 +145,8 @@ def main() -> None:
       if mesh is not None:
         params = shard(params, mesh)
       opts = contenders(mesh, params)
+      if args.only is not None:
+        opts = {name: opt for name, opt in opts.items() if any(key in name for key in args.only)}
       for budget in args.call_flops:
         opts[f"default, CALL_FLOPS={budget:.3g}"] = _with_budget(budget)
       res = measure(opts, params, args.repeats)
