@@ -27,21 +27,19 @@ ROOT = os.path.dirname(HERE)
 CHILD = r"""
 import json, statistics, sys, time
 import jax, jax.numpy as jnp
-from optax import contrib
 import muonclip_jax as mc
 sys.path.insert(0, {bench!r})
-from bench_muon import gpt2_hidden_matrices, mla_hidden_matrices
+from bench_muon import contenders, gpt2_hidden_matrices, mla_hidden_matrices
 
 out = {{}}
 for name, params in (("gpt2", gpt2_hidden_matrices({gpt_layers})), ("mla", mla_hidden_matrices({mla_layers}))):
   grads = jax.tree.map(jnp.sin, params)
+  shared = contenders()  # bench_muon's: the library's default Muon and optax.contrib.muon
+  opts = {{"default": shared["muonclip_jax.muon() defaults"], "optax": shared["optax.contrib.muon"],
+          "ns_batch=1": mc.muon(1.0, weight_decay=0.0, ns_batch=1)}}
   runs = {{}}
-  contenders = {{"default": lambda: mc.muon(1.0, weight_decay=0.0),
-                "ns_batch=1": lambda: mc.muon(1.0, weight_decay=0.0, ns_batch=1),
-                "optax": lambda: contrib.muon(1.0, ns_steps=5, beta=0.95, nesterov=True,
-                                              consistent_rms=0.2, weight_decay=0.0)}}
   for label in {labels!r}:
-    opt = contenders[label]()
+    opt = opts[label]
     state = opt.init(params)
     fn = jax.jit(opt.update).lower(grads, state, params).compile()
     jax.block_until_ready(fn(grads, state, params))
@@ -57,6 +55,10 @@ print("RESULT " + json.dumps(out))
 """
 
 
+def titles(args) -> dict:
+  return {"gpt2": f"GPT-2-small, {args.layers} layers", "mla": f"MLA, {args.mla_layers} layers"}
+
+
 def run_tree(tree: str, args, labels=("default", "optax")) -> dict:
   code = CHILD.format(bench=HERE, gpt_layers=args.layers, mla_layers=args.mla_layers, repeats=args.repeats,
                       labels=tuple(labels))
@@ -64,8 +66,8 @@ def run_tree(tree: str, args, labels=("default", "optax")) -> dict:
   proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
   if proc.returncode:
     raise RuntimeError(f"the process for {tree} failed:\n{proc.stderr[-4000:]}")
-  line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-  return json.loads(line[len("RESULT "):])
+  result = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+  return json.loads(result[len("RESULT "):])
 
 
 def main() -> None:
@@ -84,8 +86,8 @@ def main() -> None:
     res = run_tree(args.after, args, ("default", "ns_batch=1"))
     print(f"\none process, {args.repeats} repeats alternating; medians, ms\n")
     print("| set | default | ns_batch=1 |\n|---|---|---|")
-    for name in ("gpt2", "mla"):
-      print(f"| {name} | {res[name]['default']:.0f} | {res[name]['ns_batch=1']:.0f} |")
+    for name, title in titles(args).items():
+      print(f"| {title} | {res[name]['default']:.0f} | {res[name]['ns_batch=1']:.0f} |")
     return
   if args.before is None:
     parser.error("--before is required (or --grouping)")
@@ -110,7 +112,7 @@ def main() -> None:
   print("| set | default, before | default, after | optax.contrib.muon, before | optax.contrib.muon, after "
         "| default / optax, before | default / optax, after |")
   print("|---|---|---|---|---|---|---|")
-  for name, title in (("gpt2", f"GPT-2-small, {args.layers} layers"), ("mla", f"MLA, {args.mla_layers} layers")):
+  for name, title in titles(args).items():
     print(f"| {title} | {cell('before', name, 'default')} | {cell('after', name, 'default')} "
           f"| {cell('before', name, 'optax')} | {cell('after', name, 'optax')} "
           f"| {ratio('before', name)} | {ratio('after', name)} |")
