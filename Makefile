@@ -7,15 +7,21 @@ PYTHON ?= python3
 VENV ?= $(if $(filter python3,$(PYTHON)),.venv,.venv-$(notdir $(PYTHON)))
 BIN := $(VENV)/bin
 
-.PHONY: test demo demo-docs study study-docs bench clean
+.PHONY: venv test demo demo-docs study study-docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
+# --no-compile: Python compiles a dependency's modules when they are first imported, not all of
+# them at install (transformers alone has thousands the tests never import).
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,demo]'
+	$(BIN)/python -m pip install -q --no-compile -e '.[test,demo]'
 	touch $@
+
+# The virtualenv alone, with what the tests and the demo need (`.ci/run` builds both of its
+# interpreters' side by side before running either suite).
+venv: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q --durations=20 tests
