@@ -31,12 +31,12 @@ import muonclip_jax as mc
 sys.path.insert(0, {bench!r})
 from bench_muon import contenders, gpt2_hidden_matrices, mla_hidden_matrices
 
+shared = contenders()  # bench_muon's: the library's default Muon and optax.contrib.muon
+opts = {{"default": shared["muonclip_jax.muon() defaults"], "optax": shared["optax.contrib.muon"],
+        "ns_batch=1": mc.muon(1.0, weight_decay=0.0, ns_batch=1)}}
 out = {{}}
 for name, params in (("gpt2", gpt2_hidden_matrices({gpt_layers})), ("mla", mla_hidden_matrices({mla_layers}))):
   grads = jax.tree.map(jnp.sin, params)
-  shared = contenders()  # bench_muon's: the library's default Muon and optax.contrib.muon
-  opts = {{"default": shared["muonclip_jax.muon() defaults"], "optax": shared["optax.contrib.muon"],
-          "ns_batch=1": mc.muon(1.0, weight_decay=0.0, ns_batch=1)}}
   runs = {{}}
   for label in {labels!r}:
     opt = opts[label]
