@@ -1,8 +1,9 @@
 """Compile time and step time of one optimizer update on deep unscanned models.
 
-For each depth, each contender's ``update`` is jitted, lowered and compiled once (wall time of
-``lower(...).compile()``, a fresh function each time, so nothing is cached), then run
-``--repeats`` times, contenders alternating (median step time). Trees, unscanned (one leaf
+For each depth, each contender's ``update`` is jitted, lowered and compiled ``--compiles``
+times (wall time of ``lower(...).compile()``, median; a fresh optimizer each time, so nothing
+is cached; the contenders in turn, round after round), then run ``--repeats`` times,
+contenders alternating (median step time). Trees, unscanned (one leaf
 per matrix and layer, as Hugging Face Flax models and layer-by-layer NNX models hold them):
 
 * ``gpt``: width 256, MLP 1024, 6 matrices per layer (q, k, v, o ``256 x 256``; up
@@ -20,7 +21,7 @@ Usage::
   PYTHONPATH=. python benchmarks/bench_compile.py                  # 12, 24, 48, 96 layers
   PYTHONPATH=. python benchmarks/bench_compile.py --sharded        # the distributed path, 8 devices
   PYTHONPATH=. python benchmarks/bench_compile.py --layers 12 --trees gpt --repeats 2   # quick
-  PYTHONPATH=. python benchmarks/bench_compile.py --layers 48 96 --trees gpt --only optax.adamw "(default)"
+  PYTHONPATH=. python benchmarks/bench_compile.py --layers 48 96 --trees gpt --only optax.adamw "(default)" --compiles 5
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -93,22 +95,34 @@ def _with_budget(budget: float) -> optax.GradientTransformation:
   return optax.GradientTransformation(opt.init, update)
 
 
-def measure(opts: dict, params: dict, repeats: int) -> dict:
+def measure(make_opts: Callable[[], dict], params: dict, repeats: int, compiles: int) -> dict:
+  """Median compile time of ``compiles`` fresh compiles per contender, and median step time.
+
+  Every round builds the contenders anew (``make_opts``), so no compile is served from a
+  cache, and compiles them in turn: the machine's drift falls on every contender alike.
+  """
   grads = jax.tree.map(jnp.sin, params)
   runs, out = {}, {}
-  for name, opt in opts.items():
-    state = opt.init(params)
-    t0 = time.perf_counter()
-    compiled = jax.jit(opt.update).lower(grads, state, params).compile()
-    out[name] = {"compile": time.perf_counter() - t0, "steps": []}
-    jax.block_until_ready(compiled(grads, state, params))
-    runs[name] = (compiled, state)
+  for _ in range(compiles):
+    for name, opt in make_opts().items():
+      state = opt.init(params)
+      t0 = time.perf_counter()
+      compiled = jax.jit(opt.update).lower(grads, state, params).compile()
+      out.setdefault(name, {"compiles": [], "steps": []})["compiles"].append(time.perf_counter() - t0)
+      if name not in runs:
+        jax.block_until_ready(compiled(grads, state, params))
+        runs[name] = (compiled, state)
   for _ in range(repeats):
     for name, (compiled, state) in runs.items():
       t0 = time.perf_counter()
       jax.block_until_ready(compiled(grads, state, params))
       out[name]["steps"].append(time.perf_counter() - t0)
   return out
+
+
+def _spread(times: list[float]) -> str:
+  """`` (lo-hi)`` of several compiles, empty for one."""
+  return f" ({min(times):.2f}-{max(times):.2f})" if len(times) > 1 else ""
 
 
 def shard(params: dict, mesh: Mesh) -> dict:
@@ -124,7 +138,10 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--layers", type=int, nargs="*", default=[12, 24, 48, 96])
   parser.add_argument("--trees", nargs="*", default=list(TREES), choices=list(TREES))
-  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--repeats", type=int, default=5, help="step times per contender (median)")
+  parser.add_argument("--compiles", type=int, default=1,
+                      help="fresh compiles per contender, in rounds (median): one compile moves by 15-30%% "
+                           "between runs on a small CPU")
   parser.add_argument("--sharded", action="store_true", help="8 fake CPU devices, params sharded (FSDP)")
   parser.add_argument("--only", nargs="*", default=None, metavar="NAME",
                       help="time only the contenders whose names contain one of these strings (substrings: "
@@ -144,18 +161,22 @@ def main() -> None:
       params = params_of(TREES[tree](), layers)
       if mesh is not None:
         params = shard(params, mesh)
-      opts = contenders(mesh, params)
-      if args.only is not None:
-        opts = {name: opt for name, opt in opts.items() if any(key in name for key in args.only)}
-      for budget in args.call_flops:
-        opts[f"default, CALL_FLOPS={budget:.3g}"] = _with_budget(budget)
-      res = measure(opts, params, args.repeats)
+      def make_opts() -> dict:
+        opts = contenders(mesh, params)
+        if args.only is not None:
+          opts = {name: opt for name, opt in opts.items() if any(key in name for key in args.only)}
+        for budget in args.call_flops:
+          opts[f"default, CALL_FLOPS={budget:.3g}"] = _with_budget(budget)
+        return opts
+
+      res = measure(make_opts, params, args.repeats, args.compiles)
       if names is None:
         names = list(res)
-        print(f"\n### {tree}, unscanned: compile s / step ms (median of {args.repeats})\n")
+        print(f"\n### {tree}, unscanned: compile s (median of {args.compiles}) / step ms (median of {args.repeats})\n")
         print("| layers | " + " | ".join(names) + " |")
         print("|---" * (len(names) + 1) + "|")
-      cells = [f"{r['compile']:.2f} s / {1e3 * statistics.median(r['steps']):.1f} ms" for r in res.values()]
+      cells = [f"{statistics.median(r['compiles']):.2f} s{_spread(r['compiles'])} / "
+               f"{1e3 * statistics.median(r['steps']):.1f} ms" for r in res.values()]
       print(f"| {layers} | " + " | ".join(cells) + " |", flush=True)
 
 
