@@ -315,3 +315,11 @@ def test_expert_matrices_share_the_grouping_loops():
 
   for stacked in (True, False):
     assert products(64, stacked) == products(128, stacked)
+
+
+def test_a_bias_per_expert_is_a_vector():
+  """MaxText's ``wi_0_bias`` ``("exp", "activation_mlp")``: one vector per expert, AdamW, no matrix."""
+  params = {"moe": {"wi_0_bias": nn.Partitioned(jnp.zeros((E, F)), names=("exp", "activation_mlp")),
+                    "wi_0": nn.Partitioned(jnp.zeros((E, D, F)), names=("exp", "embed_no_exp", "mlp"))}}
+  assert nn.unbox(mc.muon_labels(params)) == {"moe": {"wi_0_bias": "adam", "wi_0": "muon"}}
+  assert mc.logical_matrix_axes(params)["moe"] == {"wi_0_bias": None, "wi_0": mc.MatrixAxes((1,), (2,))}

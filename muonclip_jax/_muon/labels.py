@@ -29,7 +29,6 @@ from .._clip import EMBEDDING, leaf_roles, MATRIX
 MUON = "muon"
 ADAM = "adam"
 FROZEN = "frozen"  # left as it is: a zero update, no weight decay (``muon_adamw``)
-LABELS = (MUON, ADAM, FROZEN)
 
 # Path components (lower-cased) that mark an embedding table or an output head.
 _EMBEDDING_WORDS = ("embed", "wte", "wpe")

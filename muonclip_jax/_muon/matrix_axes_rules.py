@@ -165,7 +165,8 @@ def _check_batch_names(path: str, shape: tuple[int, ...], names: tuple, axes: Ma
     raise ValueError(
         f"{path}: matrix_axes={axes} makes the expert axes {merged} of the parameter of shape {shape} (logical "
         f"names {names}) part of the matrix, so Muon would orthogonalize its experts together as "
-        f"{'one' if count == 1 else count} {rows}x{cols} matrix; each expert's matrix is its own (a batch axis). "
+        f"{'one' if count == 1 else count} {rows}x{cols} {'matrix' if count == 1 else 'matrices'}; each expert's "
+        "matrix is its own (a batch axis). "
         f"{fix[0].upper() + fix[1:]}")
   raise ValueError(
       f"{path}: matrix_axes={axes} makes axes {bad} of the parameter of shape {shape} batch axes, so Muon would "
