@@ -242,13 +242,14 @@ def axes_from_logical(names: Sequence[object] | None) -> tuple[str, ...] | None:
   ``"heads"``, per-head width names to ``"head_dim"``, fusing names to ``"parts"``, and the
   one remaining axis (``embed``, ``q_lora``, ``kv_lora``, or any other name) to ``"in"``.
   A lone head or width name without the other (a 2-D ``("embed", "heads")`` kernel) is a
-  flattened ``"out"`` axis.
+  flattened ``"out"`` axis. An expert axis (an attention projection has none) counts as an
+  other name, so such names do not tell.
   """
   if names is None:
     return None
   out: list[str | None] = []
   for n in names:
-    role = next((r for r, known in LOGICAL_AXES.items() if r != "in" and n in known), None)
+    role = next((r for r, known in LOGICAL_AXES.items() if r not in ("in", "experts") and n in known), None)
     out.append(role)
   has_h, has_d = out.count("heads"), out.count("head_dim")
   if has_h > 1 or has_d > 1 or out.count("parts") > 1:

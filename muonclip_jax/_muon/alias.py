@@ -12,7 +12,7 @@ import optax
 
 from .._util import check_number, MatrixAxesSpec, skip_frozen_leaves
 from .scale_by_muon import scale_by_muon
-from .labels import ADAM, MUON, muon_labels, remembering_labels
+from .labels import ADAM, FROZEN, MUON, muon_labels, remembering_labels
 from .._clip import LayoutSpec
 
 
@@ -137,8 +137,13 @@ def muon_adamw(
   Routing (Moonlight, arXiv 2502.16982, section 2.2: embeddings, the output head and
   vectors use AdamW) is ``labels``: ``None`` for ``muon_labels`` (by path, shape and logical
   names, every rule listed in its docstring; embedding tables and LM
-  heads never go to Muon, unlike ``optax.contrib.muon``), a pytree of ``"muon"``/``"adam"``
-  with the structure of the params, or a callable from the params to such a tree. A callable
+  heads never go to Muon, unlike ``optax.contrib.muon``), a pytree of ``"muon"``/``"adam"``/
+  ``"frozen"`` with the structure of the params, or a callable from the params to such a
+  tree. ``"frozen"`` leaves are left as they are: a zero update, no weight decay, no state
+  (``optax.set_to_zero``); the default labels give it to a mixture-of-experts routing bias
+  moved outside the gradient (DeepSeek-V3's ``e_score_correction_bias``). A router (gate)
+  goes to Muon by default; ``labels=lambda p: muonclip_jax.muon_labels(p, router="adam")``
+  sends it to AdamW (``muon_labels``, rule 10). A callable
   is called on the boxed params at ``init`` and its labels reused at ``update`` for the bare
   arrays of the same paths and shapes, so ``nnx.Optimizer`` (boxed ``nnx.Param`` at ``init``,
   bare arrays at ``update``) routes every leaf alike in both. With Moonlight's RMS matching both halves share one learning rate.
@@ -148,7 +153,7 @@ def muon_adamw(
       inside the update: see ``muon``).
     weight_decay: Muon's decoupled weight decay (0.1).
     labels: the routing (see above). Non-float and zero-size leaves get a zero update
-      whatever their label (see ``muon``), and neither half keeps state for them.
+      whatever their label (see ``muon``), and no half keeps state for them.
     adam_learning_rate: AdamW's learning rate, a number >= 0 or a schedule; defaults to
       ``learning_rate``.
     adam_b1, adam_b2, adam_eps: AdamW moments (Moonlight: 0.9, 0.95, 1e-8).
@@ -225,6 +230,7 @@ def muon_adamw(
           mu_dtype=mu_dtype,
           mask=weight_decay_mask,
       ),
+      FROZEN: optax.set_to_zero(),
   }
   if labels is None or callable(labels):  # read once from boxed params (nnx.Optimizer's init), reused at update
     labels = remembering_labels(muon_labels if labels is None else labels)

@@ -5,6 +5,14 @@ matrices of a network. Embedding tables, the output head, norm scales, biases an
 vectors go to AdamW, one vector per layer of a stack included. Decisions depend on paths,
 shapes, logical axis names and the types of the layers that own the leaves (Equinox),
 never on values.
+
+Mixture-of-experts layers: expert weights are matrices (Muon, one matrix per expert; which
+axes is ``matrix_axes``' business). The router (gate) goes to Muon, as Moonlight's reference
+Muon (every 2-D weight but the embedding and the head) and MaxText's ``muon_utils.py`` (the
+gate ``((0,), (-1,))``) send it, whatever its orientation and its siblings;
+``muon_labels(params, router="adam")`` sends it to AdamW. A routing bias that the model moves
+outside the gradient (DeepSeek-V3's ``e_score_correction_bias``, moved by its load-balancing
+rule) is ``"frozen"``: ``muon_adamw`` leaves it as it is, with no weight decay.
 """
 
 from __future__ import annotations
@@ -15,11 +23,12 @@ from typing import Any
 
 import jax
 
-from .._util import has_boxes, is_box, LAYER_NAMES, leaf_shape, logical_names, MetadataMemo, path_str, VOCAB
+from .._util import has_boxes, is_box, leaf_shape, logical_names, MetadataMemo, path_str, STACK_NAMES, VOCAB
 from .._clip import EMBEDDING, leaf_roles, MATRIX
 
 MUON = "muon"
 ADAM = "adam"
+FROZEN = "frozen"  # left as it is: a zero update, no weight decay (``muon_adamw``)
 
 # Path components (lower-cased) that mark an embedding table or an output head.
 _EMBEDDING_WORDS = ("embed", "wte", "wpe")
@@ -27,6 +36,15 @@ _HEAD_NAMES = frozenset({"lm_head", "head", "unembed", "output", "output_head", 
                          "logits_dense", "classifier"})
 _VECTOR_LEAF_NAMES = frozenset({"bias", "scale", "embedding"})
 STACKED_VECTOR = "stacked vector"  # the role of a rank-2 leaf that a stack shows to be one vector per layer
+# Path components that name a mixture-of-experts router (Hugging Face's Mixtral, DeepSeek-V3,
+# Qwen-MoE and MaxText: ``gate``; torchtitan, Switch: ``router``).
+ROUTER_NAMES = frozenset({"gate", "router"})
+# Leaf names of a routing bias moved outside the gradient (DeepSeek-V3, Kimi K2 in Hugging Face's naming).
+ROUTING_BIAS_NAMES = frozenset({"e_score_correction_bias"})
+
+
+def _is_router(parts: list[str]) -> bool:
+  return any(p in ROUTER_NAMES for p in parts)
 
 
 def _is_norm(part: str) -> bool:
@@ -72,21 +90,30 @@ def _in_numbered_layer(parts: list[str]) -> bool:
 
 
 def default_label(path: str, shape: tuple[int, ...], names: tuple | None = None, *,
-                  vocab: frozenset[tuple[int, int]] = frozenset(), role: str | None = None) -> str:
-  """``"muon"`` for a hidden weight matrix, ``"adam"`` for everything else.
+                  vocab: frozenset[tuple[int, int]] = frozenset(), role: str | None = None,
+                  router: str = MUON) -> str:
+  """``"muon"`` for a hidden weight matrix, ``"frozen"`` for a routing bias, ``"adam"`` for everything else.
 
   The rules, in order, are listed in ``muon_labels``' docstring (``role`` is what the type
   of the layer that owns the leaf says, rules 2 and 9; ``vocab`` the tree's embedding tables,
-  rule 8).
+  rule 8; ``router`` the label of a router's matrix, rule 10).
   """
   parts = [p.lower() for p in path.split("/") if p]
+  if parts and parts[-1] in ROUTING_BIAS_NAMES:
+    return FROZEN
+  label = _matrix_or_adam(parts, shape, names, vocab, role)
+  return router if label == MUON and _is_router(parts) else label
+
+
+def _matrix_or_adam(parts: list[str], shape: tuple[int, ...], names: tuple | None,
+                    vocab: frozenset[tuple[int, int]], role: str | None) -> str:
   if len(shape) < 2 or role not in (None, MATRIX, STACKED_VECTOR):
     return ADAM
   if role is None and parts and (parts[-1] in _VECTOR_LEAF_NAMES or any(_is_norm(p) for p in parts)):
     return ADAM
   if any(w in p for p in parts for w in _EMBEDDING_WORDS) or any(p in _HEAD_NAMES for p in parts):
     return ADAM
-  if names is not None and (VOCAB in names or sum(n not in LAYER_NAMES for n in names) < 2):
+  if names is not None and (VOCAB in names or sum(n not in STACK_NAMES for n in names) < 2):
     return ADAM
   if (len(shape) == 2 and names is None and not _in_numbered_layer(parts)
       and any(shape in ((v, w), (w, v)) for v, w in vocab)):
@@ -104,11 +131,12 @@ def stacked_vectors(params: Any) -> frozenset[str]:
   leading size holds a leaf of rank >= 3 (a stacked matrix, which shows the layer axis).
   Unstacked layers have rank-1 vectors (biases, gains) beside their matrices, and their
   matrices' leading sizes differ (``(d, 4d)`` and ``(4d, d)``), so such a sub-tree does not
-  form there. What can still be read as stacked: a genuine ``(E, d)`` matrix in a sub-tree
-  whose every leaf has leading size E and rank >= 2 next to a rank-3 leaf (a router stored
-  ``(experts, d)`` beside its ``(experts, d, f)`` experts, with no bias): it then goes to
-  AdamW (pass ``labels`` to send it to Muon). Leaves with logical names or of a known
-  layer type are left to those (not returned).
+  form there. A router (a path component ``gate`` or ``router``) is never read as stacked:
+  stored ``(experts, d)`` beside its ``(experts, d, f)`` experts, its leading size is theirs,
+  yet it is one matrix. What can still be read as stacked: another genuine ``(E, d)`` matrix
+  in a sub-tree whose every leaf has leading size E and rank >= 2 next to a rank-3 leaf: it
+  then goes to AdamW (pass ``labels`` to send it to Muon). Leaves with logical names or of
+  a known layer type are left to those (not returned).
   """
   flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_box)[0]
   roles = leaf_roles(params)
@@ -123,7 +151,7 @@ def stacked_vectors(params: Any) -> frozenset[str]:
       entry[2] = entry[2] or len(shape) >= 3
   found = set()
   for path, shape, named in leaves:
-    if len(shape) != 2 or named or path in roles:
+    if len(shape) != 2 or named or path in roles or _is_router(path.lower().split("/")):
       continue
     parts = tuple(path.split("/"))
     for cut in range(len(parts)):  # from the root down: the first that qualifies is the largest
@@ -135,11 +163,16 @@ def stacked_vectors(params: Any) -> frozenset[str]:
   return frozenset(found)
 
 
-def muon_labels(params: Any) -> Any:
-  """The default routing: a tree of ``"muon"``/``"adam"`` labels.
+def muon_labels(params: Any, *, router: str = MUON) -> Any:
+  """The default routing: a tree of ``"muon"``/``"adam"``/``"frozen"`` labels.
 
   The rules, in order; the first that applies decides:
 
+  0. a leaf named ``e_score_correction_bias`` (DeepSeek-V3's and Kimi K2's routing bias, moved
+     by the load-balancing rule, not by the gradient): ``"frozen"``, which ``muon_adamw``
+     leaves unchanged (no update, no weight decay). Label a routing bias of another name
+     ``"frozen"`` yourself (``labels=``), or keep it outside the params (see
+     ``docs/your-model.md``, "Mixture of experts").
   1. rank < 2 (biases, norm scales, any vector): AdamW.
   2. what the type of the layer that owns the leaf says it is (Equinox): a bias
      (``Linear.bias``), a norm's gain (``LayerNorm``, ``RMSNorm``, ``GroupNorm``,
@@ -158,7 +191,8 @@ def muon_labels(params: Any) -> Any:
      is ``logits_dense``): AdamW. Whole components only: ``heads`` is not ``head``.
   7. logical axis names (``names``; Linen boxes, NNX ``sharding`` metadata, short specs
      padded with None as Flax pads them) with a ``"vocab"`` axis, or with fewer than two
-     axes not named ``"layers"`` (a vector per layer of a stack): AdamW.
+     axes besides the layer and expert axes (a vector per layer of a stack, a bias per
+     expert ``("exp", "mlp")``): AdamW.
   8. a 2-D leaf of shape ``(width, vocabulary)`` or ``(vocabulary, width)`` of one of the
      tree's token-embedding tables (``vocab``, from ``vocab_sizes``): an output head under a
      name rule 6 does not know: AdamW. Not applied to a leaf with logical names (rule 7
@@ -171,9 +205,16 @@ def muon_labels(params: Any) -> Any:
      sub-tree above it whose leaves all share its leading size and all have rank >= 2
      holds a leaf of rank >= 3, a stacked matrix): AdamW. This covers ``nn.scan`` without
      logical names, ``eqx.filter_vmap`` stacks of layers of unknown types and hand-made
-     stacks.
-  10. everything else of rank >= 2: Muon (stacked layers and DenseGeneral kernels included;
-      which axes form the matrix is ``matrix_axes``'s business). So a ``(layers, dim)``
+     stacks. Not applied to a router (below).
+  10. everything else of rank >= 2: Muon (stacked layers, expert stacks and DenseGeneral
+      kernels included; which axes form the matrix is ``matrix_axes``'s business). A
+      mixture-of-experts router, i.e. a leaf under a path component named ``gate`` or
+      ``router`` (Hugging Face's Mixtral, DeepSeek-V3 and Qwen-MoE ``gate/weight``, MaxText's
+      ``gate/kernel``, torchtitan's ``router``), is a matrix too, ``(d, experts)`` or
+      ``(experts, d)``, with or without siblings: it gets ``router``'s label, Muon by
+      default, as in Moonlight's reference Muon (every 2-D weight but the embedding and the
+      head) and MaxText's ``muon_utils.py``; ``router="adam"`` sends it to AdamW. (An MLP's
+      own ``gate`` projection is named the same and follows the same choice.) So a ``(layers, dim)``
       vector that nothing shows to be stacked, i.e. no leaf name, norm name, logical names,
       layer type or stacked sibling (rules 2-4, 7, 9; e.g. a lone stacked leaf, or one
       whose stack also holds a vector per layer of rank 1, a stacked scalar), is read as a
@@ -192,6 +233,10 @@ def muon_labels(params: Any) -> Any:
   Boxed leaves (``nn.Partitioned``, NNX variables) keep their box, with the label inside;
   their logical axis names take part (a ``"vocab"`` axis goes to AdamW).
 
+  Args:
+    params: the parameters (boxed or not), or any tree of their shapes.
+    router: the label of a router's matrix (rule 10): ``"muon"`` (default) or ``"adam"``.
+
   Example:
     >>> import jax.numpy as jnp, muonclip_jax as mc
     >>> params = {"embed": {"embedding": jnp.ones((16, 8))},
@@ -200,7 +245,15 @@ def muon_labels(params: Any) -> Any:
     >>> mc.muon_labels(params)  # hidden matrices to Muon; embeddings, head and vectors to AdamW
     {'embed': {'embedding': 'adam'}, 'layers_0': {'mlp': {'bias': 'adam', 'kernel': 'muon'}},
      'lm_head': {'kernel': 'adam'}}
+    >>> moe = {"gate": {"weight": jnp.ones((4, 8)), "e_score_correction_bias": jnp.zeros((4,))},
+    ...        "experts": {"w1": jnp.ones((4, 8, 16))}}  # 4 experts of 8 x 16, the router (experts, d)
+    >>> mc.muon_labels(moe)
+    {'experts': {'w1': 'muon'}, 'gate': {'e_score_correction_bias': 'frozen', 'weight': 'muon'}}
+    >>> mc.muon_labels(moe, router="adam")["gate"]["weight"]
+    'adam'
   """
+  if router not in (MUON, ADAM):
+    raise ValueError(f"muon_labels: router must be {MUON!r} or {ADAM!r}, got {router!r}")
   vocab, roles, stacked = vocab_sizes(params), leaf_roles(params), stacked_vectors(params)
 
   def role(path):
@@ -209,8 +262,9 @@ def muon_labels(params: Any) -> Any:
   def label(p, x):
     path = path_str(p)
     if not is_box(x):
-      return default_label(path, tuple(x.shape), vocab=vocab, role=role(path))
-    return jax.tree.map(lambda _: default_label(path, leaf_shape(x), logical_names(x), vocab=vocab, role=role(path)), x)
+      return default_label(path, tuple(x.shape), vocab=vocab, role=role(path), router=router)
+    return jax.tree.map(lambda _: default_label(path, leaf_shape(x), logical_names(x), vocab=vocab, role=role(path),
+                                                router=router), x)
 
   return jax.tree_util.tree_map_with_path(label, params, is_leaf=is_box)
 

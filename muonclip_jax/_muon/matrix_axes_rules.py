@@ -13,12 +13,13 @@ from typing import Any
 import jax
 import optax
 
-from .._util import (HEAD_AXIS_NAMES, is_box, LAYER_NAMES, leaf_shape, logical_names, MatrixAxes,
-                     MatrixAxesSpec, names_by_path, path_str)
+from .._util import (EXPERT_NAMES, HEAD_AXIS_NAMES, is_box, LAYER_NAMES, leaf_shape, logical_names, MatrixAxes,
+                     MatrixAxesSpec, names_by_path, path_str, STACK_NAMES)
 from .._clip import declared_matrix_axes, storage_axes
 
 # Logical axis names (Flax's nn.with_logical_partitioning, NNX sharding metadata).
 LAYERS = "layers"  # the name the hints suggest for a stacked-layer axis
+EXPERTS = "exp"  # the name the hints suggest for an expert axis (MaxText's)
 
 
 def _is_dim_numbers(x: Any) -> bool:
@@ -46,24 +47,36 @@ def as_matrix_axes(spec: Any, where: str = "matrix_axes") -> MatrixAxes | None:
 def axes_from_names(path: str, shape: tuple[int, ...], names: tuple) -> MatrixAxes:
   """The matrix of a leaf from its logical axis names.
 
-  Rule: axes named ``"layers"`` are batch axes (a stack of layers). Of the others, in order,
-  the first group is the fan-in and the rest the fan-out: with two axes each is one group;
-  with more, the head axes (``heads``, ``q_heads``, ``kv_heads``, ``kv``, ``head_dim``, ...)
-  form one group and the remaining axes the other, e.g. a DenseGeneral query kernel
+  Rule: axes named for stacked layers (``"layers"``, ``"stage"``) or for experts (``"exp"``,
+  ``"expert"``, ``"experts"``, ``"num_experts"``, ``"n_experts"``; ``_util.logical_axes``) are
+  batch axes, in any order: MaxText's scanned experts ``("exp", "layers", "embed_no_exp",
+  "mlp")`` are one ``embed x mlp`` matrix per expert and layer. Of the others, in order,
+  the first group is the fan-in and the rest the fan-out: with two axes each is one group,
+  named or not (MaxText's gate ``("embed", None)``, scanned ``("embed", "layers", None)``);
+  with more, all named, the head axes (``heads``, ``q_heads``, ``kv_heads``, ``kv``,
+  ``head_dim``, ...) form one group and the remaining axes the other, e.g. a DenseGeneral query kernel
   ``("embed", "heads", "kv")`` is one ``embed x heads*kv`` matrix and an output projection
-  ``("heads", "kv", "embed")`` one ``heads*kv x embed`` matrix. Names that fit neither raise
-  ValueError naming the path, shape and names.
+  ``("heads", "kv", "embed")`` one ``heads*kv x embed`` matrix. Names that fit neither, and
+  names with two expert axes, raise ValueError naming the path, shape and names.
   """
   if len(names) != len(shape):
     raise ValueError(f"{path}: logical axis names {names} do not match the shape {shape}")
-  rest = [a for a, n in enumerate(names) if n not in LAYER_NAMES]
+  experts = [a for a, n in enumerate(names) if n in EXPERT_NAMES]
+  if len(experts) > 1:
+    raise ValueError(
+        f"{path}: the logical axis names {names} of the parameter of shape {shape} name {len(experts)} expert axes "
+        f"{tuple(names[a] for a in experts)} (axes {tuple(experts)}); a mixture-of-experts kernel has one expert "
+        f"axis, batched by Muon (one matrix per expert): name the other axes for what they are (e.g. "
+        f"('{EXPERTS}', 'embed', 'mlp')), or pass matrix_axes=MatrixAxes(fan_in=..., fan_out=...) for it")
+  rest = [a for a, n in enumerate(names) if n not in STACK_NAMES]
   fail = (f"{path}: cannot tell the matrix of a parameter of shape {shape} from its logical axis names "
-          f"{names}: expected two non-'{LAYERS}' axes, or a group of head axes {sorted(HEAD_AXIS_NAMES)} "
+          f"{names}: expected two axes besides the batch axes (stacked layers {sorted(LAYER_NAMES)}, experts "
+          f"{sorted(EXPERT_NAMES)}), or, all named, a group of head axes {sorted(HEAD_AXIS_NAMES)} "
           "before or after the other axes; pass matrix_axes=MatrixAxes(fan_in=..., fan_out=...) for it")
-  if len(rest) < 2 or any(names[a] is None for a in rest):
-    raise ValueError(fail)
   if len(rest) == 2:
     return MatrixAxes((rest[0],), (rest[1],))
+  if len(rest) < 2 or any(names[a] is None for a in rest):
+    raise ValueError(fail)
   is_head = [names[a] in HEAD_AXIS_NAMES for a in rest]
   splits = [i for i in range(1, len(rest))
             if len(set(is_head[:i])) == 1 and len(set(is_head[i:])) == 1 and is_head[0] != is_head[i]]
@@ -77,8 +90,8 @@ def logical_matrix_axes(params: Any) -> Any:
 
   Each boxed leaf with names (``nn.Partitioned``, NNX variables with ``out_sharding``)
   becomes ``axes_from_names``'s ``MatrixAxes``; every other leaf None, and so does a named
-  leaf with fewer than two axes not named ``"layers"`` (a norm scale or bias, stacked or not:
-  not a matrix; the default routing sends it to AdamW), and a 2-D leaf with an unnamed axis
+  leaf with fewer than two axes besides its layer and expert axes (a norm scale or bias,
+  stacked or per expert: not a matrix; the default routing sends it to AdamW), and a 2-D leaf with an unnamed axis
   (``(in, out)`` as any 2-D leaf). Short names are padded with None as Flax pads them. ``scale_by_muon`` reads the names itself at ``init`` and reuses them for
   the bare arrays of ``update`` (``nnx.Optimizer``), so this is needed only where a transform
   never sees the boxes, e.g. ``matrix_axes=logical_matrix_axes(nnx.state(model, nnx.Param))``.
@@ -99,7 +112,7 @@ def logical_matrix_axes(params: Any) -> Any:
 
   def axes(p, x):
     names = logical_names(x) if is_box(x) else None
-    if names is None or sum(n not in LAYER_NAMES for n in names) < 2:  # a vector (norm scale, bias), stacked or not
+    if names is None or sum(n not in STACK_NAMES for n in names) < 2:  # a vector (norm scale, bias), stacked or not
       return None
     if len(names) == 2 and None in names:  # a 2-D matrix with a short or partial spec: (in, out)
       return None
@@ -114,9 +127,15 @@ def _undeclared(path: str, shape: tuple[int, ...]) -> ValueError:
            "optax.contrib.MuonDimensionNumbers), a pytree of them, or route it to AdamW"]
   if len(shape) >= 3:
     lead, *mid, last = shape
-    hints.append(f"if it is a stack of {lead} layers (nn.scan) of {'x'.join(map(str, shape[-2:]))} matrices: "
+    matrices = f"{'x'.join(map(str, shape[-2:]))} matrices"
+    hints.append(f"if it is a stack of {lead} layers (nn.scan) of {matrices}: "
                  "MatrixAxes((-2,), (-1,)), or name the stacked axis 'layers' "
                  "(nn.scan(..., metadata_params={nn.PARTITION_NAME: 'layers'}) with logically partitioned kernels)")
+    hints.append(f"if it is the expert stack of a mixture-of-experts layer, {lead} experts of {matrices} "
+                 f"((experts, in, out), or (experts, layers, in, out) / (layers, experts, in, out) when scanned): "
+                 f"MatrixAxes((-2,), (-1,)) too, which orthogonalizes each expert's matrix on its own, or give the "
+                 f"kernel logical axis names with an expert axis ({', '.join(repr(n) for n in sorted(EXPERT_NAMES))}), "
+                 f"e.g. ('{EXPERTS}', 'embed', 'mlp')")
     hints.append(f"if it is one DenseGeneral kernel (in, heads, head_dim): MatrixAxes((0,), {tuple(range(1, len(shape)))}) "
                  f"is one {lead} x {math.prod(shape[1:])} matrix, and an output projection (heads, head_dim, out) "
                  f"is MatrixAxes({tuple(range(len(shape) - 1))}, ({len(shape) - 1},)); for the kernels of Flax's "
@@ -126,25 +145,34 @@ def _undeclared(path: str, shape: tuple[int, ...]) -> ValueError:
 
 
 def _check_batch_names(path: str, shape: tuple[int, ...], names: tuple, axes: MatrixAxes) -> None:
-  """Raises ValueError when explicit ``axes`` batch over an axis the logical ``names`` call part of a matrix."""
+  """Raises ValueError when explicit ``axes`` contradict the logical ``names``: a batch axis the names
+  call part of a matrix, or an expert axis made part of the matrix (all experts as one matrix)."""
   if len(names) != len(shape):
     raise ValueError(f"{path}: logical axis names {names} do not match the shape {shape}")
   batch, fi, fo = axes.resolve(path, shape)
-  bad = tuple(a for a in batch if names[a] is not None and names[a] not in LAYER_NAMES)
-  if not bad:
+  bad = tuple(a for a in batch if names[a] is not None and names[a] not in STACK_NAMES)
+  merged = tuple(a for a in fi + fo if names[a] in EXPERT_NAMES)
+  if not bad and not merged:
     return
   try:
     fix = ("leave this parameter at None in matrix_axes so that its names decide "
            f"({axes_from_names(path, shape, names)})")
   except ValueError:
-    fix = "pass MatrixAxes whose batch axes are only stacked-layer axes"
+    fix = "pass MatrixAxes whose batch axes are only its stacked-layer and expert axes"
   count = math.prod(shape[a] for a in batch)
   rows, cols = math.prod(shape[a] for a in fi), math.prod(shape[a] for a in fo)
+  if merged:
+    raise ValueError(
+        f"{path}: matrix_axes={axes} makes the expert axes {merged} of the parameter of shape {shape} (logical "
+        f"names {names}) part of the matrix, so Muon would orthogonalize its experts together as "
+        f"{'one' if count == 1 else count} {rows}x{cols} {'matrix' if count == 1 else 'matrices'}; each expert's "
+        "matrix is its own (a batch axis). "
+        f"{fix[0].upper() + fix[1:]}")
   raise ValueError(
       f"{path}: matrix_axes={axes} makes axes {bad} of the parameter of shape {shape} batch axes, so Muon would "
       f"orthogonalize {count} separate {rows}x{cols} matrices; but its logical axis names {names} call "
-      f"{tuple(names[a] for a in bad)} part of the matrix (expected only '{LAYERS}' or unnamed axes as batch "
-      f"axes). {fix[0].upper() + fix[1:]}, or, if it really is a stack of layers, name that axis '{LAYERS}'")
+      f"{tuple(names[a] for a in bad)} part of the matrix (expected only stacked-layer {sorted(LAYER_NAMES)}, "
+      f"expert {sorted(EXPERT_NAMES)} or unnamed axes as batch axes). {fix[0].upper() + fix[1:]}")
 
 
 def matrix_axes_lookup(spec: MatrixAxesSpec, tree: Any, *,
@@ -168,10 +196,11 @@ def matrix_axes_lookup(spec: MatrixAxesSpec, tree: Any, *,
   ``(out, in)`` convention) is a ValueError.
 
   Explicit axes win over logical names, but may not contradict them: an axis the spec makes
-  a batch axis must be named ``"layers"`` (or carry no name, as ``nn.scan`` without a
-  partition name leaves it), else ValueError. So an explicit ``MatrixAxes((-2,), (-1,))``
-  cannot quietly split a DenseGeneral kernel ``("embed", "heads", "kv")`` into one matrix
-  per ``embed`` row.
+  a batch axis must be named for stacked layers or experts (or carry no name, as ``nn.scan``
+  without a partition name leaves it), and an expert axis must stay a batch axis, else
+  ValueError. So an explicit ``MatrixAxes((-2,), (-1,))`` cannot quietly split a DenseGeneral
+  kernel ``("embed", "heads", "kv")`` into one matrix per ``embed`` row, nor
+  ``MatrixAxes((0, 1), (2,))`` merge the experts of ``("exp", "embed", "mlp")`` into one matrix.
   """
   if callable(spec) and not isinstance(spec, MatrixAxes):
     spec = spec(tree)

@@ -89,7 +89,8 @@ def scale_by_muon(
 
   Apply it to hidden weight matrices only (see ``muon_adamw`` for a whole model). Each leaf
   is a matrix, or a stack of matrices given by ``matrix_axes``; stacked matrices (e.g.
-  layers under ``nn.scan``) are orthogonalized one by one, never as one big matrix.
+  layers under ``nn.scan``, the experts of a mixture-of-experts layer) are orthogonalized
+  one by one, each with its own RMS factor, never as one big matrix.
 
   The default orthogonalization is four ``"polar_express_4"`` steps on the input scaled by
   its Schatten-4 norm, with Gram Newton–Schulz on matrices whose longer side is at least
