@@ -107,7 +107,7 @@ def _find(kind: str, proj: Projection, module: str, shapes: Mapping[str, tuple],
     tried = [lead + ("in", "out"), lead + ("in", "heads", "head_dim")]
   fit = [axes for axes in tried if len(axes) == len(shape) and fits_declared(axes, shape, parts)
          and tuple(n for a, n in zip(axes, shape) if a == "layers") == tuple(stack)]
-  if proj.axes is None and proj.kernel not in names:
+  if proj.axes is None and axes_from_logical(names.get(proj.kernel)) is None:  # read from the shape alone
     check_orientation(caller, path, proj, shape, raw.get(proj.kernel), bool(fit) and fit[0] == tried[0])
   if fit:
     return proj, fit[0]
