@@ -291,14 +291,14 @@ def _ns_each(blocks):
   return out
 
 
-def _along(d, axis, ks):
+def _along(d, axis, ks, width=D):
   """Flattened head-major ``axis`` (-1: columns, -2: rows) cut into runs ``ks`` = [(heads, k), ...]:
-  every ``k`` consecutive heads of a run one block."""
+  every ``k`` consecutive heads (of ``width`` each) of a run one block."""
   cuts, start = [], 0
   for heads, k in ks:
     for _ in range(heads // k):
-      cuts.append(jax.lax.slice_in_dim(d, start, start + k * D, axis=d.ndim + axis))
-      start += k * D
+      cuts.append(jax.lax.slice_in_dim(d, start, start + k * width, axis=d.ndim + axis))
+      start += k * width
   return jnp.concatenate(_ns_each(cuts), axis=d.ndim + axis)
 
 
@@ -405,6 +405,20 @@ def test_group_of_one_head_is_head_and_of_all_heads_is_matrix(group_updates):
     opt = mc.scale_by_muon(layout=lay, muon_blocks=blocks)
     got[blocks] = opt.update(params, opt.init(params))[0]
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=2e-6), got["group:4+out"], got["matrix"])
+
+
+def test_mla_head_groups_equal_the_by_hand_groups():
+  """MLA: wq_b, wkv_b and wo in groups of 2 of its 4 heads (blocks 12 x 16, 12 x 20, 12 x 12)."""
+  rng = np.random.default_rng(8)
+  shapes = {"wq_b": (IN, GH * (NOPE + ROPE)), "wkv_b": (IN, GH * (NOPE + V)), "wo": (GH * V, IN)}
+  params = {n: {"kernel": jnp.asarray(rng.standard_normal(s), jnp.float32)} for n, s in shapes.items()}
+  opt = mc.scale_by_muon(layout=mc.MLALayout(GH, NOPE, ROPE, V, out="wo"), muon_blocks="group:2+out")
+  got = jax.jit(opt.update)(params, opt.init(params))[0]
+  want = jax.jit(lambda d: {"wq_b": _along(d["wq_b"]["kernel"], -1, [(GH, 2)], NOPE + ROPE),
+                            "wkv_b": _along(d["wkv_b"]["kernel"], -1, [(GH, 2)], NOPE + V),
+                            "wo": _along(d["wo"]["kernel"], -2, [(GH, 2)], V)})(jax.tree.map(_direction, params))
+  for n, w in want.items():
+    assert_same_computation(np.asarray(got[n]["kernel"]), np.asarray(w), err_msg=n)
 
 
 def test_a_group_size_that_does_not_divide_the_heads_is_refused():
