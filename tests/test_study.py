@@ -16,7 +16,7 @@ import stability_study  # noqa: E402
 from mla_lm import LMConfig, init_params, make_loss_fn  # noqa: E402
 
 ARMS = ("adamw", "muon", "muonclip", "muonclip-exact", "muon-per-head", "muonclip-per-head", "muon-gqa",
-        "muon-qknorm", "muonclip-tau3")
+        "muon-gqa-groups", "muon-qknorm", "muonclip-tau3")
 TINY = ["--steps", "2", "--seeds", "1", "--taus", "5,3", "--batch", "4", "--seq", "32", "--eval-every", "1"]
 
 
