@@ -102,6 +102,7 @@ def test_report_only_rebuilds_the_same_study(tiny_study, tmp_path):
         (["--mesh", "2x4"], "--mesh must be DATA,MODEL (two integers), got '2x4'"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--report-only"], "--report-only:"),
+        (["--arms", "muon,nope"], "--arms takes names from ['adamw', "),
     ],
 )
 def test_bad_flags_give_one_line_and_exit_status_2(argv, message, capsys, tmp_path):
