@@ -2,13 +2,16 @@
 ``eqx.filter_vmap`` and run by ``lax.scan``.
 
 The lines marked ``# MuonClip (n/5)`` are all this model needs beyond choosing the
-optimizer: the layout names the ``wq``/``wk`` projections (``eqx.nn.Linear`` weights, whose
-``(layers, out, in)`` storage is read from their type), the attention goes through
+optimizer: the layout names the ``wq``/``wk``/``wv``/``wo`` projections by their modules
+alone (``eqx.nn.Linear`` modules: their ``weight`` and its ``(layers, out, in)`` storage are
+read from the type; the output projection's heads side is its ``in``), the attention goes through
 ``muonclip_jax.nn.attention`` (pure; it returns the per-head max logits), the scan stacks
 each layer's maxima into ``(layers, heads)`` returned keyed like the params, reduced over
 the batch and handed to the optimizer. Muon needs no ``matrix_axes`` (the stacked
 ``Linear`` weights are batched by layer) and the routing no ``labels`` (the stacked
-``(layers, dim)`` RMSNorm gains go to AdamW, as their type says).
+``(layers, dim)`` RMSNorm gains go to AdamW, as their type says). With the same layout,
+``optimizer(cfg, muon_blocks="head+out")`` orthogonalizes each head of the four projections
+on its own (GQA groups: ``"group:kv+out"``).
 
   python examples/recipe_equinox_llama.py [--steps N]
 """
@@ -40,9 +43,8 @@ class Config:
   seq_len: int = 8
 
   @property
-  def layout(self) -> mc.GQALayout:  # MuonClip (1/5): heads, and the names of the q/k projections
-    return mc.GQALayout(self.num_heads, self.num_kv_heads, self.head_dim,
-                        query=mc.Projection("wq", leaf="weight"), key=mc.Projection("wk", leaf="weight"))
+  def layout(self) -> mc.GQALayout:  # MuonClip (1/5): heads, and the names of the projections
+    return mc.GQALayout(self.num_heads, self.num_kv_heads, self.head_dim, query="wq", key="wk", value="wv", out="wo")
 
 
 class Attention(eqx.Module):
@@ -120,8 +122,8 @@ class Llama(eqx.Module):
     return logits, {"blocks": {"attn": {"max_logits": max_logits}}}  # MuonClip (3/5): (layers, heads), like the params
 
 
-def optimizer(cfg: Config, learning_rate=3e-3, tau=30.0) -> optax.GradientTransformationExtraArgs:
-  return mc.muonclip(learning_rate, layout=cfg.layout, qk_clip_threshold=tau)
+def optimizer(cfg: Config, learning_rate=3e-3, tau=30.0, muon_blocks="matrix") -> optax.GradientTransformationExtraArgs:
+  return mc.muonclip(learning_rate, layout=cfg.layout, qk_clip_threshold=tau, muon_blocks=muon_blocks)
 
 
 def loss_fn(params, static, tokens):

@@ -13,7 +13,10 @@ The demo's model and data (``mla_lm.py``, ``train_mla_lm.py``), several seeds, t
                        of wq_b and wkv_b orthogonalized on its own (Kimi K3's per-head Muon)
   muonclip-per-head
                   MLA  muonclip(muon_blocks="head"): per-head Muon and QK-Clip
-  muon-gqa        GQA  muon_adamw, no clip: the control of the next arm
+  muon-gqa        GQA  muon_adamw, no clip: the control of the next two arms
+  muon-gqa-groups GQA  muon_adamw(layout=..., muon_blocks="group:kv"), no clip: Muon per GQA
+                       group (the 2 query heads that share a key/value head one block, each
+                       key/value head its own; Group Muon, arXiv 2605.08933)
   muon-qknorm     GQA  muon_adamw, RMSNorm on each head's queries and keys (QK-Norm); MLA has
                        no plain QK-Norm (its rotary key is one head shared by all heads)
 
@@ -55,7 +58,7 @@ class Arm(NamedTuple):
   clip: str | None  # None, "alg1" or "exact"
   tau: float
   reference: str | None  # the arm its paired validation-loss difference is taken against
-  blocks: str = "matrix"  # muon_blocks: "matrix" (each projection one matrix) or "head"
+  blocks: str = "matrix"  # muon_blocks: "matrix" (each projection one matrix), "head" or "group:kv"
 
 
 def arms(taus: list[float]) -> list[Arm]:
@@ -68,6 +71,7 @@ def arms(taus: list[float]) -> list[Arm]:
       Arm("muon-per-head", "mla", "muon", None, tau, "muon", "head"),
       Arm("muonclip-per-head", "mla", "muon", "alg1", tau, "muonclip", "head"),
       Arm("muon-gqa", "gqa", "muon", None, tau, "muon"),
+      Arm("muon-gqa-groups", "gqa", "muon", None, tau, "muon-gqa", "group:kv"),
       Arm("muon-qknorm", "gqa+qknorm", "muon", None, tau, "muon-gqa"),
   ]
   return main + [Arm(f"muonclip-tau{t:g}", "mla", "muon", "alg1", t, "muon") for t in taus[1:]]
@@ -82,6 +86,8 @@ def parse_args(argv):
   p.add_argument("--out", default="runs/study", help="output directory")
   p.add_argument("--docs", default=None, help="also copy study.md and the pictures to this directory")
   p.add_argument("--report-only", action="store_true", help="rebuild study.md and the pictures from --out's runs")
+  p.add_argument("--arms", default=None,
+                 help="comma-separated arm names: run only these, and print their table rows (no study.md)")
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--seq", type=int, default=128)
   p.add_argument("--eval-every", type=int, default=25)
@@ -100,6 +106,12 @@ def parse_args(argv):
   if len(set(taus)) != len(taus):
     raise UsageError(f"--taus repeats a value: {args.taus!r}")
   args.taus = taus
+  if args.arms is not None:
+    names = [a.name for a in arms(taus)]
+    args.arms = args.arms.split(",")
+    unknown = [a for a in args.arms if a not in names]
+    if unknown or args.report_only or args.docs:
+      raise UsageError(f"--arms takes names from {names}, without --report-only or --docs; got {unknown or args.arms}")
   if args.mesh is not None:
     args.mesh = demo.parse_mesh(args.mesh)
   return args
@@ -206,6 +218,13 @@ def _git_commit() -> str:
 def run(args) -> int:
   if not args.report_only:
     train_all(args)
+  if args.arms is not None:  # a subset: its rows, each against its reference where that ran too
+    runs = [a for a in arms(args.taus) if a.name in args.arms]
+    runs = [a._replace(reference=a.reference if a.reference in args.arms else None) for a in runs]
+    records, secs = _read_runs(args, runs)
+    stats = {a.name: summarize(a, records, model_config(a), secs[a.name]) for a in runs}
+    print("\n".join(table(runs, stats)))
+    return 0
   text = write_report(args)
   print(text)
   if args.docs:
@@ -232,6 +251,8 @@ def train_all(args) -> None:
   for seed in range(args.seeds):
     batches, val_batch, info = demo.make_data(0, seed, args.steps, args.batch, args.seq)
     for arm in arms(args.taus):
+      if args.arms is not None and arm.name not in args.arms:
+        continue
       cfg = model_config(arm)
       if (cfg, seed) not in inits:
         inits[cfg, seed] = init_params(cfg, seed)
@@ -265,10 +286,24 @@ def train_all(args) -> None:
 def write_report(args) -> str:
   """``<out>/study.md`` and the pictures, from the runs' files."""
   runs = arms(args.taus)
+  records, secs = _read_runs(args, runs)
+  with open(os.path.join(args.out, "study.json")) as f:
+    meta = json.load(f)
+  cfgs = {arm.name: model_config(arm) for arm in runs}
+  stats = {arm.name: summarize(arm, records, cfgs[arm.name], secs[arm.name]) for arm in runs}
+  plot_all(args.out, runs, records, cfgs)
+  text = report(args, runs, stats, cfgs, meta)
+  with open(os.path.join(args.out, "study.md"), "w") as f:
+    f.write(text)
+  return text
+
+
+def _read_runs(args, runs):
+  """``({arm: {seed: metrics records}}, {arm: [s/step per seed]})`` read from ``--out``."""
   records, secs = {}, {}
   try:
-    with open(os.path.join(args.out, "study.json")) as f:
-      meta = json.load(f)
+    with open(os.path.join(args.out, "study.json")):
+      pass
     for arm in runs:
       records[arm.name], secs[arm.name] = {}, []
       for seed in range(args.seeds):
@@ -279,13 +314,7 @@ def write_report(args) -> str:
           secs[arm.name].append(json.load(f)["sec_per_step"])
   except (FileNotFoundError, NotADirectoryError) as e:
     raise UsageError(f"--report-only: {e.filename} is missing; run the study with the same flags first") from None
-  cfgs = {arm.name: model_config(arm) for arm in runs}
-  stats = {arm.name: summarize(arm, records, cfgs[arm.name], secs[arm.name]) for arm in runs}
-  plot_all(args.out, runs, records, cfgs)
-  text = report(args, runs, stats, cfgs, meta)
-  with open(os.path.join(args.out, "study.md"), "w") as f:
-    f.write(text)
-  return text
+  return records, secs
 
 
 def _mean_std(xs):
@@ -424,6 +453,13 @@ def reading(runs, stats) -> list[str]:
       f"{q['delta'][0]:+.3f} ± {q['delta'][1]:.3f} ({_noise(q['delta'], n)}); "
       f"highest max logit {q['highest']:.1f} vs {g['highest']:.1f}. The GQA model is another model (see the "
       "parameter counts above; no low-rank compression), so compare QK-Norm with muon-gqa, not with the MLA arms.")
+  if "muon-gqa-groups" in s:
+    gg = s["muon-gqa-groups"]
+    lines.append(
+        f"- **Muon per GQA group vs whole-matrix Muon (GQA).** Δ final validation loss, groups minus whole: "
+        f"{gg['delta'][0]:+.3f} ± {gg['delta'][1]:.3f} ({_noise(gg['delta'], n)}); highest max logit "
+        f"{gg['highest']:.1f} vs {g['highest']:.1f}, {100 * gg['above_tau']:.1f}% vs {100 * g['above_tau']:.1f}% of "
+        f"head-steps above tau.")
   abl = [a for a in runs if a.name.startswith("muonclip-tau")]
   if abl:
     parts = [f"tau {a.tau:g}: {s[a.name]['val'][0]:.3f}, Δ vs Muon {s[a.name]['delta'][0]:+.3f} "
@@ -479,7 +515,9 @@ def report(args, runs, stats, cfgs, meta) -> str:
       "`wq_b`, `wkv_b`; GQA: `wq`, `wk`, `wv`), averaged over layers, projections, steps and seeds, leaving out "
       "steps whose clip scaled a head (Kimi K3's motivation for per-head Muon: whole matrices let large-momentum "
       "heads dominate); `-` for AdamW. The `*-per-head` arms orthogonalize each head's block of `wq_b` and `wkv_b` "
-      "on its own (`muon_blocks=\"head\"`). s/step leaves out the first (compiling) step.",
+      "on its own (`muon_blocks=\"head\"`); `muon-gqa-groups` orthogonalizes each GQA group (the query heads that "
+      "share a key/value head, `muon_blocks=\"group:kv\"`) of `wq` and each key/value head of `wk` and `wv` on its "
+      "own. s/step leaves out the first (compiling) step.",
       "",
       f"## Arms (tau = {args.taus[0]:g})",
       "",

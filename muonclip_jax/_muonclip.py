@@ -75,8 +75,10 @@ def muonclip(
       declaration too: every query, key, value and output kernel it describes gets its
       matrix from it, with no ``matrix_axes`` (see ``scale_by_muon``).
     muon_blocks: ``"matrix"`` (default: each projection one matrix, Kimi K2), ``"part"``
-      (fused projections as their parts), ``"head"`` (Kimi K3's per-head Muon) or
-      ``"head+out"`` (the output projection per head too); see ``scale_by_muon``.
+      (fused projections as their parts), ``"head"`` (Kimi K3's per-head Muon),
+      ``"group:<k>"`` (``k`` consecutive heads per block, Group Muon), ``"group:kv"`` (GQA's
+      groups), each of the last three with ``"+out"`` (the output projection cut too,
+      ``"head+out"``); see ``scale_by_muon``.
     qk_clip_threshold: tau (Kimi K2: 100), or a schedule of the step count (see
       ``qk_clip_transform``). ``None`` or ``inf`` turns the clip off, and
       ``max_logits`` is then optional; with a finite tau a missing ``max_logits`` is a

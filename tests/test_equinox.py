@@ -246,3 +246,124 @@ def test_maxima_that_keep_the_batch_axis_are_refused_with_the_fix(square):
   layout = mc.GQALayout.from_equinox(eqx.nn.MultiheadAttention(4, 16, key=KEY))
   with pytest.raises(ValueError, match=r"stacked-layer shape \(2,\).*keep its batch axis: pass their maximum"):
     mc.qk_clip(params, {"attn": {"max_logits": jnp.stack([s, s])}}, qk_clip_threshold=tau, layout=layout)
+
+
+# ----------------------------------------------------------------------------- value and output projections
+
+H4, D4, W16 = 4, 4, 16  # square (16, 16) Linear weights: (out, in) and (in, out) both fit
+
+
+class MHA(eqx.Module):
+  """eqx.nn.MultiheadAttention's shape, hand-written: four square Linear projections."""
+
+  wq: eqx.nn.Linear
+  wk: eqx.nn.Linear
+  wv: eqx.nn.Linear
+  wo: eqx.nn.Linear
+
+  def __init__(self, key):
+    kq, kk, kv, ko = jax.random.split(key, 4)
+    self.wq, self.wk, self.wv = (eqx.nn.Linear(W16, H4 * D4, use_bias=False, key=k) for k in (kq, kk, kv))
+    self.wo = eqx.nn.Linear(H4 * D4, W16, use_bias=False, key=ko)
+
+
+def _ns_scaled(blocks):
+  """``newton_schulz`` of by-hand blocks ``(n, rows, cols)`` with scale_by_muon's defaults, each by
+  Moonlight's 0.2 sqrt(max(rows, cols)) of its own shape. Blocks 4 x 16 run Gram Newton–Schulz, whose
+  rounding depends on its input's memory layout (``test_per_head_muon``): compared to 2e-5."""
+  ns = mc.newton_schulz(blocks, steps=None, coeffs="polar_express_4", method="auto")
+  return ns * 0.2 * np.sqrt(max(blocks.shape[-2:]))
+
+
+def _cut(d, axis, k):
+  """(..., out, in) cut into blocks of k heads along ``axis`` (-2: rows, -1: columns), each orthogonalized."""
+  n = d.shape[axis] // (k * D4)
+  blocks = [jax.lax.slice_in_dim(d, g * k * D4, (g + 1) * k * D4, axis=d.ndim + axis) for g in range(n)]
+  lead = d.shape[:-2]
+  stacked = jnp.stack(blocks, axis=0).reshape(-1, *blocks[0].shape[-2:])
+  out = _ns_scaled(stacked).reshape(n, *lead, *blocks[0].shape[-2:])
+  return jnp.concatenate(list(out), axis=d.ndim + axis)
+
+
+@pytest.fixture(scope="module")
+def eqx_attention():
+  """One attention and a filter_vmap stack of 2, in one tree; their grads; a layout naming modules alone."""
+  params = {"single": eqx.filter(MHA(KEY), eqx.is_array),
+            "stacked": eqx.filter(eqx.filter_vmap(MHA)(jax.random.split(jax.random.key(1), 2)), eqx.is_array)}
+  grads = jax.tree.map(lambda x: jnp.cos(7 * x) + x, params)
+  layout = mc.GQALayout(H4, H4, D4, query="wq", key="wk", value="wv", out="wo")  # Linear modules named alone
+  return params, grads, layout
+
+
+def test_value_and_output_linears_are_cut_into_their_true_heads(eqx_attention):
+  """wv's heads are ROWS of its (out, in) weight, wo's heads its COLUMNS; the wrong cut is 0.1+ away."""
+  params, grads, layout = eqx_attention
+  leaf = mc.GQALayout(H4, H4, D4, query=mc.Projection("wq", leaf="weight"), key=mc.Projection("wk", leaf="weight"),
+                      value=mc.Projection("wv", leaf="weight"), out=mc.Projection("wo", leaf="weight"))
+  for blocks in ("head", "head+out"):
+    updates = {}
+    for name, lay in (("module", layout), ("leaf", leaf)):
+      opt = mc.scale_by_muon(layout=lay, muon_blocks=blocks)
+      updates[name] = jax.jit(opt.update)(grads, opt.init(params))[0]
+    chex.assert_trees_all_equal(updates["module"], updates["leaf"])
+    for tree in ("single", "stacked"):
+      got, g = updates["module"][tree], grads[tree]
+      d = {n: 1.95 * getattr(g, n).weight for n in ("wq", "wk", "wv", "wo")}  # first Nesterov step: (1 + beta) g
+      for n in ("wq", "wk", "wv"):  # projections to heads: head h is rows [h D, (h + 1) D) of (out, in)
+        want, wrong = _cut(d[n], -2, 1), _cut(d[n], -1, 1)
+        np.testing.assert_allclose(getattr(got, n).weight, want, rtol=0, atol=2e-5, err_msg=f"{tree}/{n}")
+        assert np.abs(getattr(got, n).weight - wrong).max() > 0.1
+      wo = got.wo.weight
+      if blocks == "head+out":  # the output projection: head h is columns [h D, (h + 1) D) of (out, in)
+        np.testing.assert_allclose(wo, _cut(d["wo"], -1, 1), rtol=0, atol=2e-5, err_msg=f"{tree}/wo")
+        assert np.abs(wo - _cut(d["wo"], -2, 1)).max() > 0.1
+      else:
+        np.testing.assert_allclose(wo, _cut(d["wo"], -1, H4), rtol=0, atol=2e-5, err_msg=f"{tree}/wo whole")
+
+
+def test_every_reader_takes_linears_named_by_module(eqx_attention):
+  """muonclip, muon_adamw, qk_clip, init_max_logits and attention_matrix_axes read the Linear type
+  through a layout that names the modules alone, as through declared axes."""
+  params, grads, layout = eqx_attention
+  axes = {"single": ("out", "in"), "stacked": ("layers", "out", "in")}
+  by_axes = {t: mc.GQALayout(H4, H4, D4, **{f: mc.Projection(n, leaf="weight", axes=a)
+                                           for f, n in (("query", "wq"), ("key", "wk"), ("value", "wv"), ("out", "wo"))})
+             for t, a in axes.items()}
+  maxima = mc.init_max_logits(params, layout)
+  assert jax.tree.map(jnp.shape, maxima) == {"single": {"max_logits": (4,)}, "stacked": {"max_logits": (2, 4)}}
+  maxima = {"single": {"max_logits": jnp.array([9.0, 1.0, 1.0, 4.0])},
+            "stacked": {"max_logits": jnp.array([[1.0, 9.0, 1.0, 1.0], [1.0, 1.0, 1.0, 16.0]])}}
+  chex.assert_trees_all_equal(mc.qk_clip(params, maxima, qk_clip_threshold=2.0, layout=layout),
+                              mc.qk_clip(params, maxima, qk_clip_threshold=2.0, layout=by_axes))
+  got = mc.attention_matrix_axes(layout)(params)
+  want = mc.attention_matrix_axes(by_axes)(params)
+  assert got == want and got["single"].wv.weight == mc.MatrixAxes((1,), (0,))
+  assert got["stacked"].wo.weight == mc.MatrixAxes((2,), (1,))
+  for make in (lambda lay: mc.muonclip(0.1, layout=lay, qk_clip_threshold=2.0, muon_blocks="head+out"),
+               lambda lay: mc.muon_adamw(0.1, layout=lay, muon_blocks="head+out")):
+    a, b = make(layout), make(by_axes)
+    extra = {"max_logits": maxima}
+    ua = jax.jit(a.update)(grads, a.init(params), params, **extra)[0]
+    ub = jax.jit(b.update)(grads, b.init(params), params, **extra)[0]
+    chex.assert_trees_all_equal(ua, ub)
+
+
+def test_square_value_and_output_weights_in_a_plain_dict_are_refused():
+  """The same square torch-style weights in a plain dict: nothing tells (out, in) from (in, out)."""
+  rng = np.random.default_rng(0)
+  plain = {n: {"weight": jnp.asarray(rng.standard_normal((W16, W16)), jnp.float32)} for n in ("q", "k", "v", "o")}
+  qk = dict(query=mc.Projection("q", leaf="weight", axes=("out", "in")),
+            key=mc.Projection("k", leaf="weight", axes=("out", "in")))
+  for field, name in (("value", "v"), ("out", "o")):
+    lay = mc.GQALayout(H4, H4, D4, **qk, **{field: mc.Projection(name, leaf="weight")},
+                       **{f: None for f in ("value", "out") if f != field})
+    for blocks in ("head+out", "matrix"):
+      with pytest.raises(ValueError, match=rf"{name}/weight is a square kernel of shape \(16, 16\) named 'weight'.*"
+                                           rf"Projection\('{name}', leaf='weight', axes=\('out', 'in'\)\)"):
+        mc.scale_by_muon(layout=lay, muon_blocks=blocks).init(plain)
+    declared = mc.GQALayout(H4, H4, D4, **qk, **{field: mc.Projection(name, leaf="weight", axes=("out", "in"))},
+                            **{f: None for f in ("value", "out") if f != field})
+    opt = mc.scale_by_muon(layout=declared, muon_blocks="head+out")
+    got = opt.update(plain, opt.init(plain))[0][name]["weight"]
+    want = _cut(1.95 * plain[name]["weight"], -2 if field == "value" else -1, 1)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 
 import chex
@@ -168,9 +169,10 @@ def test_per_head_muon_without_the_clip_on_heads_nothing_clips():
 
 def test_bad_muon_blocks_and_layouts_name_the_argument_and_the_path():
   params = {"attn": {"wq": {"kernel": jnp.ones((12, 24))}, "wk": {"kernel": jnp.ones((12, 24))}}}
-  with pytest.raises(ValueError, match=r"muon_blocks must be one of \('matrix', 'part', 'head', 'head\+out'\), "
-                                       r"got 'heads'"):
-    mc.scale_by_muon(layout=mc.GQALayout(3, 3, 8), muon_blocks="heads")
+  for bad in ("heads", "group:0", "group:02", "group:", "group:kv+in", "head+out+out", 2):
+    with pytest.raises(ValueError, match=r"muon_blocks must be one of \('matrix', 'part', 'head', 'head\+out', "
+                                         rf"'group:<k>', 'group:kv', .*got {re.escape(repr(bad))}"):
+      mc.scale_by_muon(layout=mc.GQALayout(3, 3, 8), muon_blocks=bad)
   for make in (mc.scale_by_muon, lambda **kw: mc.muon_adamw(0.1, **kw), lambda **kw: mc.muon(0.1, **kw)):
     with pytest.raises(ValueError, match=r"muon_blocks='head' needs layout="):
       make(muon_blocks="head")

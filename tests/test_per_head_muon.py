@@ -276,6 +276,164 @@ def test_gram_blocks_match_to_a_tolerance():
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-5)
 
 
+# ----------------------------------------------------------------------------- head groups (Group Muon)
+
+GH, GKV = 4, 2  # 4 query heads, 2 key/value heads: GQA groups of 2 query heads; blocks 12 x 8 and 12 x 16
+
+
+def _ns_each(blocks):
+  """By-hand blocks orthogonalized, those of one shape stacked in one call, each scaled by its shape."""
+  out = list(blocks)
+  for shape in {b.shape for b in blocks}:
+    at = [i for i, b in enumerate(blocks) if b.shape == shape]
+    for i, y in zip(at, _ns_blocks(jnp.stack([blocks[i] for i in at]))):
+      out[i] = y
+  return out
+
+
+def _along(d, axis, ks, width=D):
+  """Flattened head-major ``axis`` (-1: columns, -2: rows) cut into runs ``ks`` = [(heads, k), ...]:
+  every ``k`` consecutive heads (of ``width`` each) of a run one block."""
+  cuts, start = [], 0
+  for heads, k in ks:
+    for _ in range(heads // k):
+      cuts.append(jax.lax.slice_in_dim(d, start, start + k * width, axis=d.ndim + axis))
+      start += k * width
+  return jnp.concatenate(_ns_each(cuts), axis=d.ndim + axis)
+
+
+def _heads_axis(d, heads, k, to_matrix, from_matrix):
+  """A heads axis first (after ``to_matrix``'s view): groups of ``k`` heads as ``to_matrix(d[s:s + k])``."""
+  return jnp.concatenate([from_matrix(m) for m in _ns_each([to_matrix(d[s:s + k]) for s in range(0, heads, k)])])
+
+
+def _group_reference(d, kq, kkv):
+  """By-hand per-group update of every kernel of ``_group_params``: query heads (and the output
+  projection's) in groups of ``kq``, key/value heads in groups of ``kkv``."""
+  q, kv = (GH, kq), (GKV, kkv)
+  first = lambda x: jnp.moveaxis(x, 1, 0)  # noqa: E731  (in, H, D) -> (H, in, D)
+  ref = {
+      "dense": {"wq": _along(d["dense"]["wq"], -1, [q]), "wk": _along(d["dense"]["wk"], -1, [kv]),
+                "wv": _along(d["dense"]["wv"], -1, [kv]), "wo": _along(d["dense"]["wo"], -2, [q])},
+      "torch": {"q": _along(d["torch"]["q"], -2, [q]), "k": _along(d["torch"]["k"], -2, [kv]),
+                "v": _along(d["torch"]["v"], -2, [kv]), "o": _along(d["torch"]["o"], -1, [q])},
+      "fused": {"c_attn": _along(d["fused"]["c_attn"], -1, [q, kv, kv])},
+      "scan": {n: jnp.stack([_along(x, -1, [q if n == "wq" else kv]) for x in d["scan"][n]]) for n in ("wq", "wk")},
+  }
+  heads_first = lambda k: lambda x: jnp.moveaxis(x, 0, 1).reshape(IN, k * D)  # noqa: E731  (k, in, D) -> (in, k D)
+  back = lambda k: lambda m: jnp.moveaxis(m.reshape(IN, k, D), 1, 0)  # noqa: E731
+  general = {n: first(_heads_axis(first(d["general"][n]), h, k, heads_first(k), back(k)))
+             for n, (h, k) in (("query", q), ("key", kv), ("value", kv))}
+  general["out"] = _heads_axis(d["general"]["out"], GH, kq, lambda x: x.reshape(kq * D, IN),
+                               lambda m: m.reshape(kq, D, IN))
+  ref["general"] = general
+  ref["gemma"] = {"q": _heads_axis(d["gemma"]["q"], GH, kq, heads_first(kq), back(kq)),
+                  "kv": jnp.stack([_heads_axis(d["gemma"]["kv"][p], GKV, kkv, heads_first(kkv), back(kkv))
+                                   for p in range(2)])}
+  return ref
+
+
+def _group_params(rng):
+  """Every storage form "head" supports, ``GH`` query and ``GKV`` key/value heads of ``D`` columns."""
+  decl, lay = mc.Projection, lambda **kw: mc.GQALayout(GH, GKV, D, **kw)  # noqa: E731
+  torch = {f: decl(n, leaf="w", axes=("out", "in")) for f, n in (("query", "q"), ("key", "k"), ("value", "v"), ("out", "o"))}
+  layout = {
+      "dense": lay(value="wv", out="wo"),
+      "torch": lay(**torch),
+      "fused": lay(qkv="c_attn", out=None),
+      "scan": lay(value=None, out=None),
+      "general": lay(query="query", key="key"),
+      "gemma": lay(query=decl("q", leaf="w", axes=("heads", "in", "head_dim")),
+                   key=decl("kv", leaf="w", axes=("parts", "heads", "in", "head_dim"), parts=("k", "v")),
+                   value=None, out=None),
+  }
+  shapes = {
+      "dense": {"wq": (IN, GH * D), "wk": (IN, GKV * D), "wv": (IN, GKV * D), "wo": (GH * D, IN)},
+      "torch": {"q": (GH * D, IN), "k": (GKV * D, IN), "v": (GKV * D, IN), "o": (IN, GH * D)},
+      "fused": {"c_attn": (IN, (GH + 2 * GKV) * D)},
+      "scan": {"wq": (L, IN, GH * D), "wk": (L, IN, GKV * D)},
+      "general": {"query": (IN, GH, D), "key": (IN, GKV, D), "value": (IN, GKV, D), "out": (GH, D, IN)},
+      "gemma": {"q": (GH, IN, D), "kv": (2, GKV, IN, D)},
+  }
+  leaf = {"torch": "w", "gemma": "w"}
+  params = {m: {n: {leaf.get(m, "kernel"): jnp.asarray(rng.standard_normal(shape), jnp.float32)}
+                for n, shape in kernels.items()} for m, kernels in shapes.items()}
+  return params, layout
+
+
+def _kernels(tree):
+  """``{module: {projection: kernel}}``, the leaf name dropped."""
+  return {m: {n: next(iter(leaf.values())) for n, leaf in mod.items()} for m, mod in tree.items()}
+
+
+@pytest.fixture(scope="module")
+def group_updates():
+  params, layout = _group_params(np.random.default_rng(6))
+  grads = jax.tree.map(lambda x: jnp.cos(3 * x), params)
+  out = {}
+  for blocks in ("group:2+out", "group:kv+out", "group:1+out", "head+out"):
+    opt = mc.scale_by_muon(layout=layout, muon_blocks=blocks)
+    out[blocks] = _kernels(jax.jit(opt.update)(grads, opt.init(params))[0])
+  return _kernels(grads), out
+
+
+@pytest.mark.parametrize("blocks, kq, kkv", [("group:2+out", 2, 2), ("group:kv+out", 2, 1)])
+def test_head_groups_equal_the_by_hand_groups_on_every_storage_form(group_updates, blocks, kq, kkv):
+  """"group:2": every 2 consecutive heads of a projection one block; "group:kv": the 2 query heads that
+  share a key/value head one block, each key/value head its own (the fused q|k|v kernel cut both ways)."""
+  grads, out = group_updates
+  ref = jax.jit(lambda g: _group_reference(jax.tree.map(_direction, g), kq, kkv))(grads)
+  for m, kernels in ref.items():
+    for n, want in kernels.items():
+      assert_same_computation(np.asarray(out[blocks][m][n]), np.asarray(want), err_msg=f"{blocks} {m}/{n}")
+  # the two differ where they should: on the key/value heads, not on the query heads
+  assert not np.allclose(out["group:2+out"]["dense"]["wk"], out["group:kv+out"]["dense"]["wk"], atol=1e-3)
+  np.testing.assert_array_equal(out["group:2+out"]["dense"]["wq"], out["group:kv+out"]["dense"]["wq"])
+
+
+def test_group_of_one_head_is_head_and_of_all_heads_is_matrix(group_updates):
+  _, out = group_updates
+  for m, kernels in out["head+out"].items():
+    for n, want in kernels.items():
+      np.testing.assert_array_equal(out["group:1+out"][m][n], want, err_msg=f"{m}/{n}")
+  rng = np.random.default_rng(7)  # MHA of 4 heads of 4 columns, separate projections: group:4 is the whole matrix
+  params = {n: {"kernel": jnp.asarray(rng.standard_normal(s), jnp.float32)}
+            for n, s in (("wq", (IN, 16)), ("wk", (IN, 16)), ("wv", (IN, 16)), ("wo", (16, IN)))}
+  lay = mc.GQALayout(4, 4, 4, value="wv", out="wo")
+  got = {}
+  for blocks in ("group:4+out", "matrix"):
+    opt = mc.scale_by_muon(layout=lay, muon_blocks=blocks)
+    got[blocks] = opt.update(params, opt.init(params))[0]
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=2e-6), got["group:4+out"], got["matrix"])
+
+
+def test_mla_head_groups_equal_the_by_hand_groups():
+  """MLA: wq_b, wkv_b and wo in groups of 2 of its 4 heads (blocks 12 x 16, 12 x 20, 12 x 12)."""
+  rng = np.random.default_rng(8)
+  shapes = {"wq_b": (IN, GH * (NOPE + ROPE)), "wkv_b": (IN, GH * (NOPE + V)), "wo": (GH * V, IN)}
+  params = {n: {"kernel": jnp.asarray(rng.standard_normal(s), jnp.float32)} for n, s in shapes.items()}
+  opt = mc.scale_by_muon(layout=mc.MLALayout(GH, NOPE, ROPE, V, out="wo"), muon_blocks="group:2+out")
+  got = jax.jit(opt.update)(params, opt.init(params))[0]
+  want = jax.jit(lambda d: {"wq_b": _along(d["wq_b"]["kernel"], -1, [(GH, 2)], NOPE + ROPE),
+                            "wkv_b": _along(d["wkv_b"]["kernel"], -1, [(GH, 2)], NOPE + V),
+                            "wo": _along(d["wo"]["kernel"], -2, [(GH, 2)], V)})(jax.tree.map(_direction, params))
+  for n, w in want.items():
+    assert_same_computation(np.asarray(got[n]["kernel"]), np.asarray(w), err_msg=n)
+
+
+def test_a_group_size_that_does_not_divide_the_heads_is_refused():
+  params, layout = _group_params(np.random.default_rng(0))
+  with pytest.raises(ValueError, match=r"muon_blocks='group:3': the group size 3 does not divide the 4 query heads "
+                                       r"of dense/wq/kernel"):
+    mc.scale_by_muon(layout=layout, muon_blocks="group:3").init(params)
+  with pytest.raises(ValueError, match=r"the group size 4 does not divide the 2 key heads of dense/wk/kernel.*'group:kv'"):
+    mc.scale_by_muon(layout=layout, muon_blocks="group:4").init(params)
+  mla = {"wq_b": {"kernel": jnp.ones((IN, H * (NOPE + ROPE)))}, "wkv_b": {"kernel": jnp.ones((IN, H * (NOPE + V)))}}
+  with pytest.raises(ValueError, match=r"muon_blocks='group:kv' groups the query heads that share a key/value head, "
+                                       r"which an MLALayout does not have"):
+    mc.scale_by_muon(layout=mc.MLALayout(H, NOPE, ROPE, V), muon_blocks="group:kv").init(mla)
+
+
 # ----------------------------------------------------------------------------- why per head
 
 def test_a_head_with_a_1000x_smaller_gradient_is_still_orthogonalized(forms_and_updates):
@@ -359,6 +517,27 @@ def test_sharded_per_head_equals_one_device_and_heads_stay_where_they_live(shard
     sizes = [math.prod(int(n) for n in re.search(r"\[([\d,]*)\]", s).group(1).split(",") if n)
              for s in sum(found.values(), [])]
     assert all(n <= 1 for n in sizes), found
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["spmd", "shard_orthogonalization"])
+def test_sharded_head_groups_stay_where_they_live(distributed):
+  """"group:2" on 8 heads over a 4-way model axis: each device holds one group of 2 heads (DenseGeneral
+  heads axis, 2-D columns), orthogonalized there with no all-gather, bit for bit one device's update."""
+  params, layout = _sharded_case()
+  grads = jax.tree.map(jnp.sin, params)
+  single = mc.scale_by_muon(layout=layout, muon_blocks="group:2")
+  want = jax.jit(single.update)(grads, single.init(params))[0]
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+  spec = {"general": P(None, "model", None), "flat": P(None, "model")}
+  ps = {m: {p: {"kernel": NamedSharding(mesh, spec[m])} for p in ("wq", "wk")} for m in spec}
+  opt = mc.scale_by_muon(layout=layout, muon_blocks="group:2", shard_orthogonalization=ps if distributed else None)
+  g = jax.device_put(grads, ps)
+  state = mc.sharding.init_state(opt, jax.device_put(params, ps), ps)
+  compiled = jax.jit(opt.update, out_shardings=(ps, None)).lower(g, state).compile()
+  for a, b in zip(jax.tree.leaves(compiled(g, state)[0]), jax.tree.leaves(want)):
+    assert_same_computation(np.asarray(a), np.asarray(b))
+  found = _collectives(compiled)
+  assert not found["all-gather"] and not found["all-to-all"], found
 
 
 def test_shard_orthogonalization_gathers_heads_it_cannot_split(sharded_reference):

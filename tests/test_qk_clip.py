@@ -672,6 +672,52 @@ def test_root_module():
   )
 
 
+def test_raw_square_arrays_of_an_unknown_equinox_module_are_refused_or_exact():
+  """Issue 42.1: a custom eqx.Module holding its q/k projections as raw (heads * head_dim, width) arrays,
+  used as x @ w.T like eqx.nn.Linear. Undeclared and square, (in, out) and (out, in) both fit: refused,
+  whatever the leaf's name (the clip scaled input columns: maxima [42.2, 15.6] -> [33.6, 13.5], not tau).
+  Declared (out, in): exact. The same arrays in a plain dict keep Flax's (in, out) convention."""
+  eqx = pytest.importorskip("equinox")
+
+  class RawAttention(eqx.Module):
+    wq: jax.Array
+    wk: jax.Array
+
+  rng = np.random.default_rng(0)
+  attn = RawAttention(*(jnp.asarray(rng.standard_normal((8, 8)), jnp.float32) for _ in range(2)))
+  x = rng.standard_normal((5, 8))
+
+  def maxima(a):  # 2 heads of 4: q = x @ wq.T (Equinox's convention)
+    q, k = (np.asarray(x @ np.asarray(w, np.float64).T).reshape(5, 2, 4) for w in (a.wq, a.wk))
+    return np.einsum("qhd,khd->hqk", q, k).max(axis=(1, 2)) / 2.0
+
+  s = maxima(attn)
+  tau = 0.5 * float(s.min())
+  intermediates = {"max_logits": jnp.asarray(s, jnp.float32)}
+  params = {"attn": attn}
+  undeclared = GQALayout(2, 2, 4, query=mc.Projection("attn", leaf="wq"), key=mc.Projection("attn", leaf="wk"),
+                         value=None, out=None)
+  with pytest.raises(ValueError, match=r"attn/wq is a square kernel of shape \(8, 8\) held by the Equinox module "
+                                       r"RawAttention.*Projection\('attn', leaf='wq', axes=\('out', 'in'\)\)"):
+    qk_clip(params, intermediates, qk_clip_threshold=tau, layout=undeclared)
+  with pytest.raises(ValueError, match="held by the Equinox module RawAttention"):
+    mc.init_max_logits(params, undeclared)
+  with pytest.raises(ValueError, match="held by the Equinox module RawAttention"):
+    mc.scale_by_muon(layout=undeclared, muon_blocks="head").init(params)
+  declared = GQALayout(2, 2, 4, query=mc.Projection("attn", leaf="wq", axes=("out", "in")),
+                       key=mc.Projection("attn", leaf="wk", axes=("out", "in")), value=None, out=None)
+  clipped = qk_clip(params, intermediates, qk_clip_threshold=tau, layout=declared)["attn"]
+  np.testing.assert_allclose(maxima(clipped), tau, rtol=1e-5)  # every head was above tau: now on it
+  # a non-square raw array fits only one way: refused with the declaration to write
+  tall = {"attn": RawAttention(jnp.ones((8, 6)), jnp.ones((8, 6)))}
+  with pytest.raises(ValueError, match=r"attn/wq has shape \(8, 6\).*held by an Equinox module is \(out, in\)"):
+    qk_clip(tall, intermediates, qk_clip_threshold=tau, layout=undeclared)
+  # a plain dict: the documented Flax convention, (in, out) (a leaf named 'weight' would be refused)
+  plain = {"attn": {"wq": attn.wq, "wk": attn.wk}}
+  got = qk_clip(plain, intermediates, qk_clip_threshold=tau, layout=undeclared)["attn"]["wq"]
+  np.testing.assert_allclose(got[:, :4], attn.wq[:, :4] * np.sqrt(tau / s[0]), rtol=1e-6)  # head 0's columns
+
+
 # ----------------------------------------------------------------------------- errors
 
 

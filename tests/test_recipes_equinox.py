@@ -189,6 +189,25 @@ def test_recipe_equinox_llama():
   check_recipe(mod, cfg, model, cfg.layout, probe, expected, group=group)
 
 
+def test_recipe_equinox_llama_per_head_muon_cuts_the_true_heads():
+  """The recipe's layout names its four Linears by module alone; with "head+out" the (layers, out, in)
+  value weight is cut into its heads' rows and the square output weight into its heads' columns."""
+  from test_equinox import _cut
+
+  cfg = recipe_equinox_llama.Config()
+  params = eqx.filter(recipe_equinox_llama.Llama(cfg, key=jax.random.key(0)), eqx.is_array)
+  attn = params.blocks.attn  # Muon's part of the stacked blocks (the norms go to AdamW)
+  grads = jax.tree.map(lambda x: jnp.cos(5 * x) + x, attn)
+  assert attn.wo.weight.shape == (cfg.num_layers, cfg.dim, cfg.dim)  # square: both readings fit
+  opt = mc.scale_by_muon(layout=cfg.layout, muon_blocks="head+out")
+  got = jax.jit(opt.update)(grads, opt.init(attn))[0]
+  d = jax.tree.map(lambda g: 1.95 * g, grads)  # the first Nesterov step's direction, (1 + beta) g
+  np.testing.assert_allclose(got.wv.weight, _cut(d.wv.weight, -2, 1), rtol=0, atol=2e-5)
+  np.testing.assert_allclose(got.wo.weight, _cut(d.wo.weight, -1, 1), rtol=0, atol=2e-5)
+  assert np.abs(got.wo.weight - _cut(d.wo.weight, -2, 1)).max() > 0.1  # the wrong (row) cut is far off
+  recipe_equinox_llama.optimizer(cfg, muon_blocks="group:kv+out").init(params)  # GQA groups: the same layout
+
+
 @pytest.mark.parametrize("module", [recipe_equinox_llama])
 def test_equinox_recipe_runs(module, capsys):
   module.main(["--steps", "1"])

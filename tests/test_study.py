@@ -16,7 +16,7 @@ import stability_study  # noqa: E402
 from mla_lm import LMConfig, init_params, make_loss_fn  # noqa: E402
 
 ARMS = ("adamw", "muon", "muonclip", "muonclip-exact", "muon-per-head", "muonclip-per-head", "muon-gqa",
-        "muon-qknorm", "muonclip-tau3")
+        "muon-gqa-groups", "muon-qknorm", "muonclip-tau3")
 TINY = ["--steps", "2", "--seeds", "1", "--taus", "5,3", "--batch", "4", "--seq", "32", "--eval-every", "1"]
 
 
@@ -102,6 +102,7 @@ def test_report_only_rebuilds_the_same_study(tiny_study, tmp_path):
         (["--mesh", "2x4"], "--mesh must be DATA,MODEL (two integers), got '2x4'"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--report-only"], "--report-only:"),
+        (["--arms", "muon,nope"], "--arms takes names from ['adamw', "),
     ],
 )
 def test_bad_flags_give_one_line_and_exit_status_2(argv, message, capsys, tmp_path):

@@ -48,11 +48,16 @@ def layouts_of(module: str, layout: Any) -> list[Layout]:
 
 
 def attention_modules(shapes_by_module: Mapping[str, Mapping[str, tuple]], layout: Any,
-                      caller: str) -> dict[str, Layout]:
-  """{module path: layout} of the modules that have every projection their layout names."""
+                      caller: str, typed: Mapping[str, tuple] | None = None) -> dict[str, Layout]:
+  """{module path: layout} of the modules that have every projection their layout names.
+
+  ``typed``: ``_clip.equinox.storage_axes`` of the tree (a ``Linear`` named by its module alone
+  counts by its ``weight``).
+  """
   found = {}
   for module, shapes in shapes_by_module.items():
-    looks = lambda lay: not missing_projections(module, lay, shapes, caller)  # noqa: B023, E731
+    under = names_under(module, typed or {})
+    looks = lambda lay: not missing_projections(module, lay, shapes, caller, under)  # noqa: B023, E731
     if not any(looks(lay) for lay in layouts_of(module, layout)):
       continue
     lay = layout_for(module, layout)

@@ -13,7 +13,14 @@ each array is known, and nothing need be guessed from its shape:
 Axes in front of a layer's own (a ``weight`` of rank 3 in a ``Linear``) are stacked layers
 (``eqx.filter_vmap(Block)(keys)``): Muon batches them and the clip scales each layer on its
 own. Leaves of other types, subclasses included, are not read here (the general rules of
-``_muon.labels`` and ``_muon.matrix_axes_rules`` apply to them).
+``_muon.labels`` and ``_muon.matrix_axes_rules`` apply to them). But an array held by an
+Equinox module of a type not known here (``held_raw``) follows Equinox's convention as far as
+anyone can tell, ``x @ w.T`` like ``Linear``, while the general rule for undeclared kernels
+reads Flax's ``(in, out)``: where both fit (a square projection) the layout refuses to guess
+(``_clip.kernel_forms.check_orientation``).
+
+A layout projection named by its module alone (``GQALayout(query="wq")``, leaf ``kernel`` by
+default) where that module is a ``Linear`` reads its ``weight`` (``linear_leaf``).
 
 ``eqx.nn.MultiheadAttention`` has no hook for its logits; ``equinox_attention`` runs the
 module itself and reads the per-head maxima from the q and k its public ``process_heads``
@@ -31,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -103,6 +111,45 @@ def leaf_roles(tree: Any) -> dict[str, Role]:
 def storage_axes(tree: Any) -> dict[str, tuple[str, ...]]:
   """``{leaf path: declared axes}`` of the matrices whose storage their layer's type tells."""
   return {path: role.axes for path, role in leaf_roles(tree).items() if role.axes is not None}
+
+
+def held_raw(tree: Any) -> dict[str, str]:
+  """``{leaf path: owner class name}`` of the arrays of rank 2 or more held by an Equinox module
+  of a type not known here (``Linear`` subclasses included), outside any module it holds.
+
+  Their storage is undeclared, and Equinox's convention (``(out, in)``, ``x @ w.T``) differs from
+  the general rule (Flax's ``(in, out)``): a layout never guesses between the two for them.
+  Empty when Equinox is not imported.
+  """
+  eqx = _equinox()
+  if eqx is None:
+    return {}
+  known = _fields(eqx)
+  raw: dict[str, str] = {}
+
+  def visit(prefix: tuple, node: Any) -> None:
+    inner = lambda x: x is not node and isinstance(x, eqx.Module)  # noqa: E731
+    for sub, leaf in jax.tree_util.tree_flatten_with_path(node, is_leaf=inner)[0]:
+      if isinstance(leaf, eqx.Module):
+        visit((*prefix, *sub), leaf)
+      elif isinstance(node, eqx.Module) and type(node) not in known and len(getattr(leaf, "shape", ())) >= 2:
+        raw[keystr((*prefix, *sub))] = type(node).__name__
+
+  visit((), tree)
+  return raw
+
+
+def linear_leaf(spec: Projection, typed: Mapping[str, tuple[str, ...]]) -> Projection:
+  """``spec`` reading the ``weight`` of a ``Linear`` named by its module alone.
+
+  A projection with the default leaf ``kernel`` and no such leaf, whose module holds a
+  ``Linear`` weight (``typed``: ``storage_axes`` under the attention module), reads that weight:
+  the type says where the matrix is (and, in ``detect``, how it is stored).
+  """
+  weight = f"{spec.name}/weight"
+  if spec.leaf == "kernel" and spec.kernel not in typed and weight in typed:
+    return dataclasses.replace(spec, leaf="weight")
+  return spec
 
 
 def _check_attention(where: str, mha: Any) -> Any:

@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+from .equinox import linear_leaf
 from .layouts import GQALayout, MLALayout
 from .._util import join
 from .projection import (as_projection, axes_from_logical, declared_factor, declared_stack, kernel_factor,
@@ -137,30 +138,62 @@ def _mla_query(module: str, lay: MLALayout, shapes: Mapping[str, Shape], caller:
 
 
 def projection_parts(
-    module: str, lay: MLALayout | GQALayout, shapes: Mapping[str, Shape], caller: str = "qk_clip"
+    module: str, lay: MLALayout | GQALayout, shapes: Mapping[str, Shape], caller: str = "qk_clip",
+    typed: Mapping[str, tuple[str, ...]] | None = None,
 ) -> dict[Projection, tuple[Part, ...]]:
-  """{projection spec: its parts, in storage order} that ``lay`` expects under ``module``."""
+  """{projection spec: its parts, in storage order} that ``lay`` expects under ``module``.
+
+  ``typed``: as for ``detect``; a projection named by a module that is an Equinox ``Linear``
+  reads its ``weight`` (``linear_leaf``).
+  """
+  typed = typed or {}
   if isinstance(lay, MLALayout):
     h, nope = lay.num_heads, lay.qk_nope_head_dim
     return {
-        _mla_query(module, lay, shapes, caller): (("query", h, nope + lay.qk_rope_head_dim),),
-        as_projection(lay.key_value): (("key_value", h, nope + lay.v_head_dim),),
+        linear_leaf(_mla_query(module, lay, shapes, caller), typed): (("query", h, nope + lay.qk_rope_head_dim),),
+        linear_leaf(as_projection(lay.key_value), typed): (("key_value", h, nope + lay.v_head_dim),),
     }
   h, hkv, d = lay.num_heads, lay.num_kv_heads, lay.head_dim
   part = {"q": ("query", h, d), "k": ("key", hkv, d), "v": (None, hkv, d)}
   if lay.qkv is not None:
-    spec = as_projection(lay.qkv)
+    spec = linear_leaf(as_projection(lay.qkv), typed)
     return {spec: tuple(part[p] for p in spec.parts or ("q", "k", "v"))}
-  q, k = as_projection(lay.query), as_projection(lay.key)
+  q, k = linear_leaf(as_projection(lay.query), typed), linear_leaf(as_projection(lay.key), typed)
   return {q: (part["q"],), k: tuple(part[p] for p in k.parts or ("k",))}
 
 
 def missing_projections(
-    module: str, lay: MLALayout | GQALayout, shapes: Mapping[str, Shape], caller: str = "qk_clip"
+    module: str, lay: MLALayout | GQALayout, shapes: Mapping[str, Shape], caller: str = "qk_clip",
+    typed: Mapping[str, tuple[str, ...]] | None = None,
 ) -> list[str]:
   """Kernel paths (relative to ``module``) that ``lay`` needs and ``shapes`` lacks."""
-  specs = projection_parts(module, lay, shapes, caller)
+  specs = projection_parts(module, lay, shapes, caller, typed)
   return [spec.kernel for spec in specs if spec.kernel not in shapes]
+
+
+def check_orientation(caller: str, path: str, spec: Projection, shape: Shape, owner: str | None,
+                      flat_fits: bool) -> None:
+  """Refuses an undeclared kernel that may be ``(out, in)`` and fits ``(in, out)`` as well.
+
+  A leaf named ``weight`` (torch's and Equinox's name for ``(out, in)`` storage) or an array
+  held by an Equinox module of a type not known here (``owner``, its class name; Equinox's
+  convention is ``x @ w.T``), square in its last two axes, where the 2-D ``(in, out)`` reading
+  fits (``flat_fits``): both readings fit, and one for the other would scale (or cut) the wrong
+  axis. Plain dicts keep Flax's ``(in, out)`` for every other leaf name.
+  """
+  if not flat_fits or len(shape) < 2 or shape[-1] != shape[-2] or (spec.leaf != TORCH_LEAF and owner is None):
+    return
+  why = (f"named '{TORCH_LEAF}', torch's name for (out, in) storage" if owner is None else
+         f"held by the Equinox module {owner}, whose type the library does not know (Equinox's convention "
+         "is (out, in), used as x @ w.T)")
+  raise ValueError(
+      f"{caller}: {path} is a square kernel of shape {shape} {why}, and nothing declares its axes (no "
+      "axes=, no logical axis names, no known layer type): (in, out) and (out, in) fit it alike, and "
+      "reading one for the other scales or cuts the wrong axis (heads reported clipped whose logits stay "
+      f"above tau, per-head blocks that are slabs of input columns). Declare it: "
+      f"muonclip_jax.Projection({spec.name!r}, leaf={spec.leaf!r}, axes=('out', 'in')) for torch-style "
+      "storage, axes=('in', 'out') otherwise (with a 'layers' axis in front for each stacked-layer axis)"
+  )
 
 
 # ----------------------------------------------------------------------------- detection
@@ -218,6 +251,7 @@ def detect(
     caller: str = "qk_clip",
     names: Mapping[str, tuple] | None = None,
     typed: Mapping[str, tuple[str, ...]] | None = None,
+    raw: Mapping[str, str] | None = None,
 ) -> list[Found]:
   """The query/key projections of one module with their forms, checked against ``lay``.
 
@@ -232,13 +266,16 @@ def detect(
       (``axes_from_logical``) is read as declared by them.
     typed: ``{"<projection>/<leaf>": axes}`` of the kernels whose storage their layer's
       type tells (an Equinox ``Linear`` weight: ``(*layers, "out", "in")``); a projection
-      without declared ``axes`` is read as declared by them (before logical names).
+      without declared ``axes`` is read as declared by them (before logical names); a
+      projection named by a ``Linear`` module alone reads its ``weight``.
+    raw: ``{"<projection>/<leaf>": owner class name}`` of the arrays held by Equinox modules of
+      types not known (``_clip.equinox.held_raw``).
 
   A kernel whose axes nothing declares (no ``axes``, type or logical names), whose leaf is
-  named ``weight`` (torch's ``(out, in)`` convention) and whose last two axes are equal is
-  a ValueError: ``(in, out)`` and ``(out, in)`` fit it alike, and reading one for the other
-  would scale the wrong axis (the clip would report heads clipped whose logits it did not
-  bound).
+  named ``weight`` (torch's ``(out, in)`` convention) or that an Equinox module of an unknown
+  type holds, and whose last two axes are equal is a ValueError (``check_orientation``):
+  ``(in, out)`` and ``(out, in)`` fit it alike, and reading one for the other would scale
+  the wrong axis (the clip would report heads clipped whose logits it did not bound).
 
   Raises:
     ValueError: a missing projection kernel; a kernel that fits no form or two forms (or
@@ -246,15 +283,15 @@ def detect(
       match its kernel; projections that disagree on the stacked-layer shape; an MLA
       ``wkv_a`` whose rotary width disagrees with ``lay.qk_rope_head_dim``.
   """
-  parts_of = projection_parts(module, lay, shapes, caller)
-  missing = missing_projections(module, lay, shapes, caller)
+  parts_of = projection_parts(module, lay, shapes, caller, typed)
+  missing = missing_projections(module, lay, shapes, caller, typed)
   if missing:
     raise ValueError(
         f"{caller}: module {module or '<root>'!r} has no {join(module, missing[0])!r} for "
         f"{type(lay).__name__} (expected projections {[s.name for s in parts_of]}, named by the "
         f"layout's fields); parameters under {module or '<root>'!r}: {sorted(shapes)}"
     )
-  names, typed = names or {}, typed or {}
+  names, typed, raw = names or {}, typed or {}, raw or {}
   fits: dict[Projection, list[tuple[str, Shape]]] = {}
   for spec, parts in list(parts_of.items()):
     kernel, bias = shapes[spec.kernel], shapes.get(spec.bias)
@@ -270,7 +307,7 @@ def detect(
       fits[spec] = [(DECLARED, s)]
       continue
     kernel_fits = [(f, s) for f in _forms(parts) if (s := _fits(f, parts, kernel, None)) is not None]
-    torch = spec.leaf == TORCH_LEAF
+    torch = spec.leaf == TORCH_LEAF or spec.kernel in raw
     if not kernel_fits:
       raise ValueError(
           f"{caller}: {join(module, spec.kernel)} has shape {kernel}"
@@ -278,19 +315,11 @@ def detect(
           f"{lay} ({_describe(parts)}): tried {_expected(parts, stack)}; a kernel stored "
           "otherwise (head axis first, torch-style (out, in), a layer axis that is not "
           "leading) needs its axes declared: muonclip_jax.Projection(name, leaf=..., axes=...)"
-          + (f"; a leaf named '{TORCH_LEAF}' is (out, in) in torch ports and Equinox: "
-             f"Projection({spec.name!r}, leaf='{TORCH_LEAF}', axes=('out', 'in'))" if torch else "")
+          + (f"; a leaf named '{TORCH_LEAF}' or held by an Equinox module is (out, in) in torch ports "
+             f"and Equinox: Projection({spec.name!r}, leaf={spec.leaf!r}, axes=('out', 'in'))" if torch else "")
       )
-    if torch and kernel[-1] == kernel[-2] and any(f == HEAD_MAJOR for f, _ in kernel_fits):
-      raise ValueError(
-          f"{caller}: {join(module, spec.kernel)} is a square kernel of shape {kernel} named "
-          f"'{TORCH_LEAF}', torch's name for (out, in) storage, and nothing declares its axes (no "
-          "axes=, no logical axis names, no known layer type): (in, out) and (out, in) fit it alike, "
-          "and reading one for the other scales the wrong axis (heads reported clipped whose logits "
-          f"stay above tau). Declare it: muonclip_jax.Projection({spec.name!r}, leaf='{TORCH_LEAF}', "
-          "axes=('out', 'in')) for torch-style storage, axes=('in', 'out') otherwise (with a 'layers' "
-          "axis in front for each stacked-layer axis)"
-      )
+    check_orientation(caller, join(module, spec.kernel), spec, kernel, raw.get(spec.kernel),
+                      any(f == HEAD_MAJOR for f, _ in kernel_fits))
     if stack is not None:
       on_stack = [(f, s) for f, s in kernel_fits if s == stack]
       if not on_stack:

@@ -44,7 +44,7 @@ import numpy as np
 
 from .attention_modules import attention_modules, layouts_of, leaves_by_module, names_under
 from .._util import check_number, join, names_by_path
-from .equinox import storage_axes
+from .equinox import held_raw, storage_axes
 from .layouts import check_layout, GQALayout, layout_for, LayoutSpec, MLALayout
 from .max_logits import collect_max_logits, MAX_LOGITS, nest_max_logits
 from .kernel_forms import detect, missing_projections
@@ -254,13 +254,13 @@ def qk_clip(params: optax.Params, max_logits: Mapping[str, Any], *, qk_clip_thre
     return params
   maxima = collect_max_logits(max_logits)
   names = names_by_path(params) if names is None else names
-  typed = storage_axes(params)
+  typed, raw = storage_axes(params), held_raw(params)
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
   leaves = [leaf for _, leaf in flat]
   by_module = leaves_by_module(flat)
   for module, s in maxima.items():
     _check_not_variables(module, by_module, "qk_clip")
-    _check_not_child(module, by_module, leaves, layout, s)
+    _check_not_child(module, by_module, leaves, layout, s, typed)
     lay = layout_for(module, layout)
     if s.shape[-1] != lay.num_heads:
       raise ValueError(
@@ -271,7 +271,7 @@ def qk_clip(params: optax.Params, max_logits: Mapping[str, Any], *, qk_clip_thre
     shapes = {name: jnp.shape(leaves[i]) for name, i in index.items()}
     factors = _role_factors(s, tau, lay)
     found = detect(module, lay, shapes, stack=s.shape[:-1], names=names_under(module, names),
-                   typed=names_under(module, typed))
+                   typed=names_under(module, typed), raw=names_under(module, raw))
     if isinstance(lay, GQALayout):
       check_undeclared(module, lay, shapes, "qk_clip")
       if lay.query_norm is not None:  # QK-norm: the norms' scales, not the kernels
@@ -283,19 +283,19 @@ def qk_clip(params: optax.Params, max_logits: Mapping[str, Any], *, qk_clip_thre
       leaves[k] = kernel
       if b is not None:
         leaves[b] = bias
-  _check_all_reported(by_module, leaves, layout, maxima)
+  _check_all_reported(by_module, leaves, layout, maxima, typed)
   return treedef.unflatten(leaves)
 
 
 def _check_not_child(module: str, by_module: Mapping[str, Mapping[str, int]], leaves: list, layout: Any,
-                     s: jax.Array) -> None:
+                     s: jax.Array, typed: Mapping[str, tuple]) -> None:
   """Maxima sown below the attention module (MaxText's ``attention_op``): name the helper."""
   parent = module.rpartition("/")[0]
   if not module:
     return
   shapes = {n: jnp.shape(leaves[i]) for n, i in by_module.get(parent, {}).items()}
   own = {n: jnp.shape(leaves[i]) for n, i in by_module.get(module, {}).items()}
-  looks = lambda m, sh, lay: not missing_projections(m, lay, sh, "qk_clip")
+  looks = lambda m, sh, lay: not missing_projections(m, lay, sh, "qk_clip", names_under(m, typed))
   if any(looks(module, own, lay) for lay in layouts_of(module, layout)):
     return
   if any(looks(parent, shapes, lay) for lay in layouts_of(parent, layout)):
@@ -309,7 +309,7 @@ def _check_not_child(module: str, by_module: Mapping[str, Mapping[str, int]], le
 
 
 def _check_all_reported(by_module: Mapping[str, Mapping[str, int]], leaves: list, layout: Any,
-                        maxima: Mapping[str, jax.Array]) -> None:
+                        maxima: Mapping[str, jax.Array], typed: Mapping[str, tuple]) -> None:
   """Every attention module of ``params`` must have sown ``max_logits``: none is skipped.
 
   An attention whose capture is off (e.g. ``nnx.MultiHeadAttention`` called without
@@ -317,7 +317,7 @@ def _check_all_reported(by_module: Mapping[str, Mapping[str, int]], leaves: list
   otherwise never be clipped, silently.
   """
   shapes = {m: {n: jnp.shape(leaves[i]) for n, i in index.items()} for m, index in by_module.items()}
-  missing = sorted(set(attention_modules(shapes, layout, "qk_clip")) - set(maxima))
+  missing = sorted(set(attention_modules(shapes, layout, "qk_clip", typed)) - set(maxima))
   if missing:
     raise ValueError(
         f"qk_clip: the attention modules {missing} have the query/key projections of their "
@@ -426,11 +426,11 @@ def init_max_logits(params: optax.Params, layout: LayoutSpec) -> dict:
       module: {name: jnp.shape(flat[i][1]) for name, i in index.items()}
       for module, index in leaves_by_module(flat).items()
   }
-  names, typed = names_by_path(params), storage_axes(params)
+  names, typed, raw = names_by_path(params), storage_axes(params), held_raw(params)
   tree: dict[str, jax.Array] = {}
-  for module, lay in attention_modules(by_module, layout, "init_max_logits").items():
+  for module, lay in attention_modules(by_module, layout, "init_max_logits", typed).items():
     found = detect(module, lay, by_module[module], caller="init_max_logits", names=names_under(module, names),
-                   typed=names_under(module, typed))
+                   typed=names_under(module, typed), raw=names_under(module, raw))
     stack = found[0].stack
     tree[module] = jnp.full((*stack, lay.num_heads), -jnp.inf, jnp.float32)
   if isinstance(params, Mapping) and "params" in params and all(

@@ -16,6 +16,7 @@ Per leaf, Muon's matrix is decided in this order (``muon_blocks_lookup``): an ex
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -23,18 +24,20 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .._clip import (as_projection, attention_modules, axes_from_logical, check_layout, DECLARED,
-                     DENSE_GENERAL, detect, fits_declared, Found, GQALayout, HEAD_MAJOR, leaves_by_module,
-                     MLALayout, names_under, Projection, storage_axes)
+from .._clip import (as_projection, attention_modules, axes_from_logical, check_layout, check_orientation,
+                     DECLARED, DENSE_GENERAL, detect, fits_declared, Found, GQALayout, HEAD_MAJOR, held_raw,
+                     leaves_by_module, linear_leaf, MLALayout, names_under, Projection, storage_axes)
 from .._util import join, MatrixAxes, MatrixAxesSpec, names_by_path, path_str
-from .blocks import Blocks, blocks_for, MODES, whole
+from .blocks import Blocks, blocks_for, parse_mode, whole
 from .matrix_axes_rules import matrix_axes_lookup
 
 
 def check_blocks(muon_blocks: Any, layout: Any, name: str = "scale_by_muon") -> None:
   """Validates ``muon_blocks`` and ``layout`` together (in the factories)."""
-  if muon_blocks not in MODES:
-    raise ValueError(f"{name}: muon_blocks must be one of {MODES}, got {muon_blocks!r}")
+  try:
+    parse_mode(muon_blocks)
+  except ValueError as e:
+    raise ValueError(f"{name}: {e}") from None
   if layout is None:
     if muon_blocks != "matrix":
       raise ValueError(
@@ -70,12 +73,19 @@ def _output_reading(proj: Projection) -> tuple[str, ...]:
 
 
 def _find(kind: str, proj: Projection, module: str, shapes: Mapping[str, tuple], names: Mapping[str, tuple],
-          parts: tuple, stack: tuple[int, ...], required: bool, lay: Any, caller: str) -> tuple[str, ...] | None:
-  """The axes of the value (``kind="value"``) or output (``"out"``) kernel; None if absent or not fitting.
+          parts: tuple, stack: tuple[int, ...], required: bool, lay: Any, caller: str,
+          typed: Mapping[str, tuple], raw: Mapping[str, str]) -> tuple[Projection, tuple[str, ...] | None]:
+  """The value (``kind="value"``) or output (``"out"``) projection and its kernel's axes (None if
+  absent or not fitting), read as a query/key kernel is: declared axes, the ``Linear`` type (``typed``,
+  a ``Linear`` named by its module alone included), logical names, else the shape, where an
+  undeclared square ``weight`` or array of an unknown Equinox module (``raw``) is refused.
 
   ``required``: the blocks asked for need it, so absence or a misfit is a ValueError.
   """
   field = "value" if kind == "value" else "out"
+  proj = linear_leaf(proj, typed)
+  if proj.axes is None and proj.kernel in typed:
+    proj = dataclasses.replace(proj, axes=typed[proj.kernel])
   path = join(module, proj.kernel)
   if proj.kernel not in shapes:
     if required:
@@ -84,7 +94,7 @@ def _find(kind: str, proj: Projection, module: str, shapes: Mapping[str, tuple],
           f"({type(lay).__name__} {field}={as_projection(getattr(lay, field)).name!r}), which muon_blocks needs per "
           f"head; name it with {type(lay).__name__}(..., {field}=...) (a name or a muonclip_jax.Projection), or "
           f"{field}=None to keep it one matrix; parameters under it: {sorted(shapes)}")
-    return None
+    return proj, None
   shape = shapes[proj.kernel]
   lead = ("layers",) * len(stack)
   if proj.axes is not None:
@@ -95,17 +105,39 @@ def _find(kind: str, proj: Projection, module: str, shapes: Mapping[str, tuple],
     tried = [lead + ("out", "in"), lead + ("heads", "head_dim", "in")]
   else:
     tried = [lead + ("in", "out"), lead + ("in", "heads", "head_dim")]
-  for axes in tried:
-    layers = tuple(n for a, n in zip(axes, shape) if a == "layers")
-    if len(axes) == len(shape) and layers == tuple(stack) and fits_declared(axes, shape, parts):
-      return axes
+  fit = [axes for axes in tried if len(axes) == len(shape) and fits_declared(axes, shape, parts)
+         and tuple(n for a, n in zip(axes, shape) if a == "layers") == tuple(stack)]
+  if proj.axes is None and axes_from_logical(names.get(proj.kernel)) is None:  # read from the shape alone
+    check_orientation(caller, path, proj, shape, raw.get(proj.kernel), bool(fit) and fit[0] == tried[0])
+  if fit:
+    return proj, fit[0]
   if required:
     _, h, w = parts[0]
     raise ValueError(
         f"{caller}: {path} has shape {shape}, which does not hold the layout's {h} heads of {w} columns "
         f"({lay}) with the module's stacked-layer shape {tuple(stack)}: tried axes {tried}; declare its "
-        f"storage with muonclip_jax.Projection({proj.name!r}, axes=...) in the layout's {field}=")
-  return None
+        f"storage with muonclip_jax.Projection({proj.name!r}, leaf={proj.leaf!r}, axes=...) in the layout's {field}=")
+  return proj, None
+
+
+def _groups(group: int | str, parts: tuple, lay: Any, path: str, mode: str, caller: str) -> tuple[int, ...]:
+  """Heads per block of each part: ``group``, or for ``"kv"`` GQA's group size on the query heads (and the
+  output projection's, role ``"out"``) and 1 on the key/value heads. Each must divide its part's heads."""
+  if group == "kv" and not isinstance(lay, GQALayout):
+    raise ValueError(
+        f"{caller}: muon_blocks={mode!r} groups the query heads that share a key/value head, which an "
+        f"MLALayout does not have (every head has its own key): {path} ({lay}); use 'head' or 'group:<k>'")
+  out = []
+  for role, heads, _ in parts:
+    k = (lay.group_size if role in ("query", "out") else 1) if group == "kv" else group
+    if heads % k:
+      raise ValueError(
+          f"{caller}: muon_blocks={mode!r}: the group size {k} does not divide the {heads} "
+          f"{role or 'value'} heads of {path} ({lay}); choose a group size that divides the head count of "
+          "every projection it cuts (query, key, value, and with '+out' the output), or 'group:kv' for "
+          "GQA's groups")
+    out.append(k)
+  return tuple(out)
 
 
 def layout_blocks(tree: Any, layout: Any, mode: str, caller: str, declared: set | None = None) -> dict[str, Blocks]:
@@ -115,42 +147,46 @@ def layout_blocks(tree: Any, layout: Any, mode: str, caller: str, declared: set 
   names (the others were recognized from their shapes, with leading stacked-layer axes).
   """
   declared = set() if declared is None else declared
+  kind, group, with_out = parse_mode(mode)
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]  # the arrays (a box masked by optax.partition holds none)
   shapes_by_module = {module: {rel: tuple(jnp.shape(flat[i][1])) for rel, i in index.items()}
                       for module, index in leaves_by_module(flat).items()}
-  names, typed = names_by_path(tree), storage_axes(tree)
-  modules = attention_modules(shapes_by_module, layout, caller)
-  if not modules and mode != "matrix":
+  names, typed, raw = names_by_path(tree), storage_axes(tree), held_raw(tree)
+  modules = attention_modules(shapes_by_module, layout, caller, typed)
+  if not modules and kind != "matrix":
     raise ValueError(
         f"{caller}: no attention module of the layout in the parameters (a module holding the query/key "
         f"projections it names), so there are no heads to orthogonalize one by one; layout: {layout!r}")
   table = {}
-  qk_mode = "head" if mode == "head+out" else mode
   for module, lay in modules.items():
     shapes, under = shapes_by_module[module], names_under(module, names)
-    found = detect(module, lay, shapes, caller=caller, names=under, typed=names_under(module, typed))
+    typed_under, raw_under = names_under(module, typed), names_under(module, raw)
+    found = detect(module, lay, shapes, caller=caller, names=under, typed=typed_under, raw=raw_under)
     for f in found:
       split = lay.qk_nope_head_dim if isinstance(lay, MLALayout) and f.parts[0][0] == "key_value" else 0
-      table[join(module, f.spec.kernel)] = blocks_for(_form_axes(f), shapes[f.spec.kernel], f.parts, mode=qk_mode,
-                                                      split=split)
+      path = join(module, f.spec.kernel)
+      groups = _groups(group, f.parts, lay, path, mode, caller) if kind == "head" else None
+      table[path] = blocks_for(_form_axes(f), shapes[f.spec.kernel], f.parts, mode=kind, split=split, groups=groups)
       if f.form == DECLARED:
-        declared.add(join(module, f.spec.kernel))
+        declared.add(path)
     stack = found[0].stack
     extra = []
     if isinstance(lay, GQALayout) and lay.value is not None and lay.qkv is None and "v" not in (
         as_projection(lay.key).parts or ()):
-      extra.append(("value", as_projection(lay.value), ((None, lay.num_kv_heads, lay.head_dim),), qk_mode == "head"))
+      extra.append(("value", as_projection(lay.value), ((None, lay.num_kv_heads, lay.head_dim),), kind == "head"))
     if lay.out is not None:
       width = lay.v_head_dim if isinstance(lay, MLALayout) else lay.head_dim
-      extra.append(("out", as_projection(lay.out), ((None, lay.num_heads, width),), mode == "head+out"))
-    for kind, proj, parts, required in extra:
-      axes = _find(kind, proj, module, shapes, under, parts, stack, required, lay, caller)
+      extra.append(("out", as_projection(lay.out), (("out", lay.num_heads, width),), with_out))
+    for which, proj, parts, required in extra:
+      proj, axes = _find(which, proj, module, shapes, under, parts, stack, required, lay, caller, typed_under,
+                         raw_under)
       if axes is not None:
+        path = join(module, proj.kernel)
         if proj.axes is not None or under.get(proj.kernel) is not None:
-          declared.add(join(module, proj.kernel))
-        sub = "head" if required else "matrix"
-        table[join(module, proj.kernel)] = blocks_for(axes, shapes[proj.kernel], parts, output=kind == "out",
-                                                      mode=sub)
+          declared.add(path)
+        groups = _groups(group, parts, lay, path, mode, caller) if required else None
+        table[path] = blocks_for(axes, shapes[proj.kernel], parts, output=which == "out",
+                                 mode="head" if required else "matrix", groups=groups)
   return table
 
 

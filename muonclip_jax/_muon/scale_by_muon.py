@@ -174,14 +174,18 @@ def scale_by_muon(
       ``in x head_dim`` (MLA: ``wq_b`` per head ``q_lora x (nope + rope)``, ``wkv_b`` per
       head ``kv_lora x (nope + v)``); the output projection and MLA's down-projections stay
       whole, as in K3. ``"head+out"``: the output projection per head too
-      (``head_dim x out``). A block is a view of the kernel (a 2-D head-major kernel is
+      (``head_dim x out``). ``"group:<k>"`` (Group Muon, arXiv 2605.08933): every ``k``
+      consecutive heads one block, ``in x k*head_dim`` (``k`` divides each projection's
+      head count, else ValueError); ``"group:kv"``: GQA's groups, the query heads sharing a
+      key/value head one block and each key/value head its own; ``"group:<k>+out"`` and
+      ``"group:kv+out"`` group the output projection's heads as the query heads. A block is a view of the kernel (a 2-D head-major kernel is
       reshaped, not copied); a leaf's blocks are orthogonalized in one batched call, so a
       heads-sharded kernel stays where it lives. The RMS factor is each block's own:
       Moonlight's ``rms_scale * sqrt(max(rows, cols))`` of an ``in x head_dim`` block gives
       every head the update RMS ``rms_scale``, as a whole-matrix update has. Anything other
-      than ``"matrix"`` needs ``layout``; ``"head"`` also needs each attention module's value
-      projection (GQA ``value=``), ``"head+out"`` its output projection (``out=``), else
-      ValueError naming the module.
+      than ``"matrix"`` needs ``layout``; ``"head"`` and the groups also need each attention
+      module's value projection (GQA ``value=``), ``"+out"`` its output projection (``out=``),
+      else ValueError naming the module.
     shard_orthogonalization: static. ``None`` (default): each matrix is orthogonalized in
       its parameter's layout, as XLA partitions it (on a mesh every device repeats much of
       the work). A pytree of the params' ``NamedSharding`` (``sharding.param_shardings``,
