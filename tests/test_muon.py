@@ -412,3 +412,61 @@ def test_float16_adam_leaves_with_an_eps_that_underflows_are_refused_at_init():
   u, _ = opt.update(g, opt.init(params), params)
   chex.assert_tree_all_finite(u)
   mc.muon_adamw(0.01).init(optax.tree.cast(params, jnp.bfloat16))  # bfloat16 holds 1e-8
+
+
+F32_MAX = float(jnp.finfo(jnp.float32).max)
+
+
+def test_finite_gradients_near_float32s_largest_give_finite_updates():
+  """Issue 42: the Nesterov direction G + beta M of G = 1.8e38 overflowed to inf at step 1 (a
+  NaN update), and a constant G = 2e37 took the momentum to inf at step 36 (NaN ever after).
+  Entries beyond float32's range now saturate at its largest value (``saturate``): the update
+  is Newton–Schulz of the saturated direction, and the momentum stays finite."""
+  g = jax.random.normal(jax.random.key(0), (8, 16))
+  g = g / jnp.max(jnp.abs(g))
+  tx = mc.scale_by_muon()
+  update = jax.jit(tx.update)
+  ns = lambda x: mc.newton_schulz(x, steps=None, coeffs="polar_express_4", method="auto") * 0.2 * 4
+  for top in (1.8e38, F32_MAX):
+    u, state = update({"w": g * top}, tx.init({"w": g}))
+    sat = np.clip(np.asarray(g * top, np.float64) * 1.95, -F32_MAX, F32_MAX) / top  # the saturated direction
+    chex.assert_trees_all_close(u["w"], ns(jnp.asarray(sat, jnp.float32)), atol=1e-5, rtol=0)
+    chex.assert_tree_all_finite(state.mu)
+  # a constant gradient: M -> G / (1 - beta) = 4e38 saturates (uniformly: the update is unchanged)
+  state, ref = tx.init({"w": g}), ns(jnp.ones((8, 16)))
+  for _ in range(40):
+    u, state = update({"w": jnp.full((8, 16), 2e37)}, state)
+    chex.assert_trees_all_close(u["w"], ref, atol=1e-5, rtol=0)
+  assert float(state.mu["w"].max()) == F32_MAX
+  # a state left inf by an earlier version recovers at the next finite gradient; an inf gradient
+  # still gives a non-finite update (its signal), in its own leaf only
+  u, state = update({"w": g}, mc.ScaleByMuonState(mu={"w": jnp.full((8, 16), jnp.inf)}))
+  chex.assert_tree_all_finite((u, state))
+  u, _ = update({"w": g.at[0, 0].set(jnp.inf)}, tx.init({"w": g}))
+  assert not bool(jnp.isfinite(u["w"]).any())
+
+
+@pytest.mark.parametrize("g_dtype,mu_dtype", [(jnp.float32, jnp.bfloat16), (jnp.bfloat16, jnp.float32)])
+def test_saturation_keeps_the_dtypes_and_narrower_casts_finite(g_dtype, mu_dtype):
+  """float32's largest is beyond bfloat16's (3.39e38; above it rounds to inf): a bfloat16
+  momentum of float32 gradients, and a float32 momentum cast to bfloat16 gradients, saturate."""
+  tx = mc.scale_by_muon(mu_dtype=mu_dtype, nesterov=False)
+  g = jnp.full((4, 8), jnp.finfo(g_dtype).max, g_dtype).at[0].set(-1.0)
+  state = tx.init({"w": g})
+  for _ in range(2):
+    u, state = tx.update({"w": g}, state)
+    assert u["w"].dtype == g_dtype and state.mu["w"].dtype == mu_dtype
+    chex.assert_tree_all_finite((u, state))
+
+
+def test_per_head_blocks_of_finite_gradients_stay_finite():
+  """With muon_blocks="head", the head whose gradient reached 1.8e38 was the one NaN block."""
+  layout = mc.GQALayout(num_heads=2, num_kv_heads=2, head_dim=4, value=None)
+  params = {"wq": {"kernel": jnp.zeros((6, 8))}, "wk": {"kernel": jnp.zeros((6, 8))}}
+  g = jax.random.normal(jax.random.key(0), (6, 8))
+  grads = {"wq": {"kernel": g.at[:, 4:].multiply(1.8e38 / jnp.max(jnp.abs(g[:, 4:])))}, "wk": {"kernel": g}}
+  tx = mc.scale_by_muon(layout=layout, muon_blocks="head")
+  u, state = tx.update(grads, tx.init(params))
+  chex.assert_tree_all_finite((u, state))
+  head = u["wq"]["kernel"][:, 4:]
+  assert abs(float(jnp.sqrt(jnp.mean(head ** 2))) - 0.2) < 0.03  # an orthogonalized block, not zero
