@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from .._util import check_bool, check_number, MatrixAxesSpec, MetadataMemo, path_str, skip_frozen_leaves
@@ -54,20 +53,6 @@ class ScaleByMuonState(NamedTuple):
   """
 
   mu: optax.Updates  # momentum M_t; shapes of the params, dtype mu_dtype (default: the params')
-
-
-def saturate(x: jax.Array, dtype: Any, finite: jax.Array) -> jax.Array:
-  """``x`` in ``dtype``, where ``finite`` (its inputs were finite) clamped to ``dtype``'s finite range.
-
-  Muon's momentum ``beta M + G`` and direction ``G + beta M`` of finite entries can exceed
-  the dtype's largest value (a constant gradient of 2e37 takes ``M`` to ``G / (1 - beta)``,
-  4e38): such an entry saturates at ``+-finfo(dtype).max`` instead of becoming inf, which
-  Newton–Schulz would turn into NaN. An entry within range is returned unchanged (bitwise);
-  an entry whose inputs were not finite (an inf or NaN gradient) stays inf or NaN.
-  """
-  y = x.astype(dtype)
-  big = jnp.finfo(dtype).max
-  return jnp.where(finite, jnp.clip(y, -big, big), y)
 
 
 def rms_factor(rms_match: str | None, rms_scale: Any, fan_in: int, fan_out: int) -> Any:
@@ -219,14 +204,6 @@ def scale_by_muon(
   Non-float leaves (integers, booleans, with integer or ``float0`` gradients) and zero-size
   leaves get a zero update and no momentum (``_util.frozen_leaves``).
 
-  Finite gradients give finite updates: an entry of the momentum ``beta M + G`` or of the
-  direction ``G + beta M`` beyond its dtype's largest value (a gradient near float32's 3.4e38,
-  or a constant 2e37, whose momentum tends to 20 times it) saturates at that value instead of
-  overflowing to inf (``saturate``), and Newton–Schulz orthogonalizes the saturated direction.
-  Entries in range are unchanged, bit for bit. An inf or NaN gradient entry gives its leaf a
-  NaN update (skip such steps with ``optax.apply_if_finite``); a momentum it left inf is
-  clamped back into range by the next finite gradient.
-
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state holds only the momentum.
 
@@ -297,19 +274,14 @@ def scale_by_muon(
     report_layout("muon", layout)  # for make_train_step(exact_clip=True)
     table = memo.recall(updates)
     lookup = blocks_of(updates) if table is None else (lambda p, _: table[p])
-    mu = jax.tree.map(lambda m, g: saturate(beta * m + g, m.dtype, jnp.isfinite(g)), state.mu, updates)
+    mu = jax.tree.map(lambda m, g: (beta * m + g).astype(m.dtype), state.mu, updates)
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     flat_mu = treedef.flatten_up_to(mu)
     paths = [path_str(p) for p, _ in flat]
     blocks = [lookup(p, g.shape) for p, (_, g) in zip(paths, flat)]
 
     def direction(g, m):
-      wider = jnp.finfo(m.dtype).max > jnp.finfo(g.dtype).max  # a float32 momentum of bfloat16 gradients
-      m = saturate(m, g.dtype, jnp.isfinite(m)) if wider else m.astype(g.dtype)
-      if not nesterov:
-        return m
-      d = g + beta * m
-      return saturate(d, d.dtype, jnp.isfinite(g))
+      return g + beta * m.astype(g.dtype) if nesterov else m.astype(g.dtype)
 
     def rms(fan_in, fan_out):
       return rms_factor(rms_match, rms_scale, fan_in, fan_out)
