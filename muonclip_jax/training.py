@@ -20,8 +20,8 @@ from typing import Any
 import jax
 import optax
 
-from ._clip import (CAPTURE_HINT, check_opt_state, exact_clip_step, exact_qk_clip, exact_rtol, LayoutSpec,
-                    nest_max_logits)
+from ._clip import (CAPTURE_HINT, check_layout, check_opt_state, exact_clip_step, exact_qk_clip, exact_rtol,
+                    LayoutSpec, nest_max_logits, reported_layouts)
 from ._util import check_bool, check_number
 from ._train import (applied_clip_metrics, capturing_forward, clip_metrics, loss_grads_maxima, LossFn,
                      maxima_on, metrics_to_floats, optimizer_clip, optimizer_clip_metrics, OptStateView,
@@ -58,6 +58,35 @@ def _check_maxima_captured(maxima: dict, opt_state: Any, qk_clip_threshold: Any,
                      "each attention's per-head maxima. " + CAPTURE_HINT)
 
 
+def _exact_clip_layout(layout: LayoutSpec | None, held: list[tuple[str, LayoutSpec]]) -> LayoutSpec:
+  """The layout of the exact clip: the optimizer's QK-Clip's, else its Muon's, else ``layout=``.
+
+  ``held`` is what the optimizer's update reported (``reported_layouts``). A ``layout=``
+  that differs from the optimizer's clip's is refused: the exact clip must clip the heads
+  the optimizer clips.
+  """
+  def distinct(holder):
+    found = []
+    for h, lay in held:
+      if h == holder and not any(lay == f for f in found):
+        found.append(lay)
+    return found
+
+  clips, muons = distinct("qk_clip"), distinct("muon")
+  if len(clips) > 1 or (layout is None and not clips and len(muons) > 1):
+    raise ValueError(f"make_train_step: the optimizer holds {len(clips) or len(muons)} different layouts, so "
+                     "exact_clip=True cannot tell which heads to clip; pass layout=")
+  if layout is not None:
+    if clips and clips[0] != layout:
+      raise ValueError(f"make_train_step: layout={layout!r} differs from the layout of the optimizer's QK-Clip, "
+                       f"{clips[0]!r}; the exact clip clips the optimizer's heads: leave layout= out")
+    return layout
+  if clips or muons:
+    return (clips or muons)[0]
+  raise ValueError("make_train_step: exact_clip=True needs the attention layout, and the optimizer holds none "
+                   "(muonclip, qk_clip_transform and muon_adamw(layout=...) do): pass layout=module.layout")
+
+
 def make_train_step(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -92,7 +121,14 @@ def make_train_step(
       (``muonclip``) has its own tau, the step's only one: leave this None (passing it too
       is a ValueError at the first trace). None with an optimizer
       that does not clip: no tau, nothing counted as above it.
-    layout: the attention layout; needed only with ``exact_clip``.
+    layout: the attention layout of ``exact_clip``, read by default from the optimizer: the
+      layout of its QK-Clip (``muonclip``, ``qk_clip_transform``), else of its Muon
+      (``muon_adamw(layout=...)``), as its update reports it at trace time (an optimizer is
+      closures and its state holds arrays only, so nothing else exposes it). Needed with
+      ``exact_clip`` when the optimizer holds none (AdamW, Muon with ``matrix_axes``) or
+      several different ones; one that differs from the optimizer's QK-Clip's is a
+      ValueError (the exact clip clips the heads the optimizer clips). Unused without
+      ``exact_clip``.
     num_microbatches: k > 1 splits the batch's leading axis into k microbatches and scans
       over them (``lax.scan``): gradients are averaged, maxima combined by maximum, and
       the optimizer (hence the clip) runs once, on the whole step's maxima. ``rng`` is
@@ -163,7 +199,7 @@ def make_train_step(
   Raises:
     TypeError: ``exact_clip`` that is not a bool.
     ValueError: at the first trace, when ``loss_fn`` captured no maxima and something needs
-      them (see ``loss_fn``), when the optimizer has a transform after its QK-Clip,
+      them (see ``loss_fn``), when ``exact_clip`` has no layout or two (see ``layout``), when the optimizer has a transform after its QK-Clip,
       wraps the clip in a plain ``optax.MultiSteps`` (use ``muonclip_jax.multi_steps``), or
       its state does not fit the params in structure or shape (e.g. restored from another
       model); see ``muonclip_jax.check_opt_state``.
@@ -173,8 +209,8 @@ def make_train_step(
   if qk_clip_threshold is not None and not callable(qk_clip_threshold):
     check_number("qk_clip_threshold", qk_clip_threshold, low=0.0, low_open=True)
   check_bool("exact_clip", exact_clip)
-  if exact_clip and layout is None:
-    raise ValueError("make_train_step: exact_clip=True needs the layout")
+  if layout is not None:
+    check_layout(layout, "make_train_step")
   opt = optax.with_extra_args_support(optimizer)
   forward = capturing_forward(loss_fn, compute_dtype)
   k = num_microbatches
@@ -185,7 +221,8 @@ def make_train_step(
     check_opt_state(opt_state, optimizer=opt, params=params, caller="make_train_step")
     loss, grads, maxima, aux = loss_grads_maxima(forward, params, batch, rng, k)
     _check_maxima_captured(maxima, opt_state, qk_clip_threshold, exact_clip)
-    params, opt_state, before, after = _apply_optimizer(opt, params, opt_state, grads, maxima)
+    with reported_layouts() as held:  # the layouts the optimizer's transforms hold
+      params, opt_state, before, after = _apply_optimizer(opt, params, opt_state, grads, maxima)
     tau = step_threshold(qk_clip_threshold, before, after)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
     if after.learning_rate is not None:
@@ -208,8 +245,9 @@ def make_train_step(
                        "(muonclip), whose tau it then uses")
     scaled, gamma = optimizer_clip(before, after, maxima)
     params, passes, exact_scaled, exact_gamma = exact_clip_step(
-        params, lambda p: maxima_on(forward, p, batch, rng, k), qk_clip_threshold=tau, layout=layout,
-        rtol=exact_rtol(params, compute_dtype), updated=after.updated, like=maxima)
+        params, lambda p: maxima_on(forward, p, batch, rng, k), qk_clip_threshold=tau,
+        rtol=exact_rtol(params, compute_dtype), updated=after.updated, like=maxima,
+        layout=_exact_clip_layout(layout, held))
     metrics["exact_clip_passes"] = passes
     metrics.update(applied_clip_metrics({m: scaled[m] | exact_scaled[m] for m in scaled},
                                         {m: gamma[m] * exact_gamma[m] for m in gamma}))

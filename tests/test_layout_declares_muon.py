@@ -167,6 +167,30 @@ def test_per_head_muon_without_the_clip_on_heads_nothing_clips():
 
 # ----------------------------------------------------------------------------- bad input
 
+def test_value_and_output_heads_of_another_width_are_told_the_remedy_that_works():
+  """Issue 42: a GQA value projection whose heads are not head_dim wide was refused with advice to
+  declare axes=, which cannot fix it. Where no reading of its sizes holds the heads, the error
+  says so and gives value=None (out=None for the output projection), which works."""
+  lay = mc.GQALayout(4, 2, 8)  # value heads of 12 columns below, not 8
+  params = {"attn": {"wq": {"kernel": jnp.ones((20, 32))}, "wk": {"kernel": jnp.ones((20, 16))},
+                     "value": {"kernel": jnp.ones((20, 24))}, "out": {"kernel": jnp.ones((48, 20))}}}
+  with pytest.raises(ValueError, match=r"attn/value/kernel has shape \(20, 24\).*so no axes= can declare it.*"
+                                       r"GQALayout\(\.\.\., value=None\).*or use muon_blocks='matrix'") as err:
+    mc.scale_by_muon(layout=lay, muon_blocks="head").init(params)
+  assert "Projection(" not in str(err.value)
+  mc.scale_by_muon(layout=dataclasses.replace(lay, value=None), muon_blocks="head").init(params)
+  fitting = {"attn": {**params["attn"], "value": {"kernel": jnp.ones((20, 16))}}}
+  with pytest.raises(ValueError, match=r"attn/out/kernel has shape \(48, 20\).*so no axes= can declare it.*"
+                                       r"GQALayout\(\.\.\., out=None\).*muon_blocks='head'"):
+    mc.scale_by_muon(layout=lay, muon_blocks="head+out").init(fitting)
+  mc.scale_by_muon(layout=dataclasses.replace(lay, out=None), muon_blocks="head+out").init(fitting)
+  # sizes that another storage could hold (16 = 2 heads of 8, read (out, in)): both remedies are named
+  with pytest.raises(ValueError, match=r"declare its storage with muonclip_jax.Projection\('value', axes=...\).*"
+                                       r"if its heads are not 8 wide, keep it one matrix"):
+    mc.scale_by_muon(layout=lay, muon_blocks="head").init({"attn": {**params["attn"],
+                                                                    "value": {"kernel": jnp.ones((16, 24))}}})
+
+
 def test_bad_muon_blocks_and_layouts_name_the_argument_and_the_path():
   params = {"attn": {"wq": {"kernel": jnp.ones((12, 24))}, "wk": {"kernel": jnp.ones((12, 24))}}}
   for bad in ("heads", "group:0", "group:02", "group:", "group:kv+in", "head+out+out", 2):

@@ -1,5 +1,6 @@
 """make_train_step on models deeper than one attention layer: the exact clip, metrics, rng."""
 
+import dataclasses
 import functools
 import json
 
@@ -118,8 +119,9 @@ def test_tau_schedule_in_muonclip_and_in_make_train_step():
   loss_fn, params = make_loss_fn(MLA), init_params(MLA)
   schedule = optax.linear_schedule(3.0, 1.5, 2)  # 3.0, 2.25, 1.5
   opt = mc.muonclip(0.05, layout=MLA.layout, qk_clip_threshold=schedule, matrix_axes=AXES)
-  # no qk_clip_threshold: the metrics and the exact clip take the optimizer's tau of the step
-  step = jax.jit(training.make_train_step(loss_fn, opt, layout=MLA.layout, exact_clip=True))
+  # no qk_clip_threshold, no layout: the metrics and the exact clip take the optimizer's tau of
+  # the step, and its layout (issue 42: layout= was required though muonclip holds one)
+  step = jax.jit(training.make_train_step(loss_fn, opt, exact_clip=True))
   state, p = opt.init(params), params
   for t, batch in enumerate(batches(3)):
     num_clipped, _ = _stats(loss_fn, p, batch, float(schedule(t)))
@@ -139,6 +141,32 @@ def test_tau_schedule_in_muonclip_and_in_make_train_step():
     assert float(metrics["qk_clip_threshold"]) == float(schedule(t))
     worst = max(float(jnp.max(s)) for s in collect_max_logits(_forward(loss_fn)(p, batch)).values())
     assert worst <= float(schedule(t)) * (1 + 1e-4)
+
+
+def test_exact_clip_takes_the_layout_the_optimizer_holds():
+  """The exact clip's layout: the optimizer's QK-Clip's, else its Muon's (through chain and
+  inject_hyperparams), else ``layout=``; none, or one that contradicts the clip, is a ValueError
+  at the first trace (traced only here: ``jax.eval_shape``)."""
+  loss_fn, params = make_loss_fn(MLA), init_params(MLA)
+  batch = batches(1)[0]
+  other = dataclasses.replace(MLA.layout, v_head_dim=MLA.layout.v_head_dim + 1)
+
+  def trace(opt, **kw):
+    step = training.make_train_step(loss_fn, opt, exact_clip=True, **kw)
+    return jax.eval_shape(step, params, opt.init(params), batch)
+
+  held = optax.inject_hyperparams(mc.muonclip, static_args=("layout",))(
+      learning_rate=0.05, layout=MLA.layout, qk_clip_threshold=1.0, matrix_axes=AXES)
+  trace(optax.chain(optax.clip_by_global_norm(1.0), held))
+  trace(held, layout=MLA.layout)  # the same layout again: accepted
+  trace(mc.muon_adamw(0.05, layout=MLA.layout, matrix_axes=AXES), qk_clip_threshold=1.0)  # Muon's declaration
+  with pytest.raises(ValueError, match=r"layout=MLALayout.* differs from the layout of the optimizer's QK-Clip"):
+    trace(held, layout=other)
+  with pytest.raises(ValueError, match=r"exact_clip=True needs the attention layout, and the optimizer holds none "
+                                       r".*pass layout=module.layout"):
+    trace(mc.muon_adamw(0.05, matrix_axes=AXES), qk_clip_threshold=1.0)
+  with pytest.raises(TypeError, match=r"make_train_step: layout must be an MLALayout"):
+    training.make_train_step(loss_fn, held, layout="mla")
 
 
 def test_dropout_rng_aux_outputs_grad_norm_and_float_metrics_with_microbatches():

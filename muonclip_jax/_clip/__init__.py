@@ -6,7 +6,7 @@ from .equinox import (EMBEDDING, equinox_attention, GAIN, held_raw, leaf_roles, 
                       VECTOR)
 from .exact import exact_clip_step, exact_qk_clip, exact_rtol
 from .kernel_forms import check_orientation, DECLARED, DENSE_GENERAL, detect, Found, HEAD_MAJOR
-from .layouts import check_layout, GQALayout, LayoutSpec, MLALayout
+from .layouts import check_layout, GQALayout, LayoutSpec, MLALayout, report_layout, reported_layouts
 from .max_logits import CAPTURE_HINT, collect_max_logits, nest_max_logits, reduce_max_logits
 from .multi_steps import multi_steps
 from .projection import as_projection, axes_from_logical, declared_matrix_axes, fits_declared, Projection
@@ -22,6 +22,7 @@ __all__ = [
     "exact_rtol", "fits_declared", "Found", "GAIN", "GQALayout", "HEAD_MAJOR", "held_raw", "init_max_logits",
     "LayoutSpec", "leaf_roles", "leaves_by_module", "linear_leaf", "MATRIX", "merge_max_logits", "MLALayout", "multi_steps",
     "MultiStepsMaxLogitsState", "names_under", "nest_max_logits", "no_clip_decisions", "Projection",
-    "qk_clip", "qk_clip_stats", "qk_clip_transform", "QKClipState", "reduce_max_logits", "storage_axes",
+    "qk_clip", "qk_clip_stats", "qk_clip_transform", "QKClipState", "reduce_max_logits", "report_layout",
+    "reported_layouts", "storage_axes",
     "threshold_or_nan", "VECTOR",
 ]

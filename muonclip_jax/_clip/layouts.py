@@ -12,10 +12,12 @@ recommended source of a layout, since two layouts with equal column totals (e.g.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import fnmatch
 import itertools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 from .._util import check_positive_int
@@ -336,3 +338,29 @@ def layout_for(module: str, layout: Layout | Mapping[str, Layout]) -> Layout:
         f"exactly one must (patterns: {list(layout)})"
     )
   return layout[matches[0]]
+
+
+# The layouts an optimizer's transforms hold, reported while its update is traced. An
+# optimizer is a pair of closures and its state holds arrays only, so no composition (chain,
+# inject_hyperparams, multi_steps, MultiSteps) exposes the layout it was built with; running
+# its update does, in Python, at trace time. make_train_step reads them for the exact clip.
+_REPORTS: contextvars.ContextVar[list | None] = contextvars.ContextVar("muonclip_layout_reports", default=None)
+
+
+def report_layout(holder: str, layout: LayoutSpec | None) -> None:
+  """Tells an enclosing ``reported_layouts()`` that transform ``holder`` (``"qk_clip"`` or
+  ``"muon"``) holds ``layout``; a no-op outside one and for ``None``."""
+  reports = _REPORTS.get()
+  if reports is not None and layout is not None:
+    reports.append((holder, layout))
+
+
+@contextlib.contextmanager
+def reported_layouts() -> Iterator[list[tuple[str, LayoutSpec]]]:
+  """The ``(holder, layout)`` pairs that the updates traced inside the ``with`` block reported."""
+  reports: list = []
+  token = _REPORTS.set(reports)
+  try:
+    yield reports
+  finally:
+    _REPORTS.reset(token)

@@ -19,7 +19,7 @@ import optax
 from .._util import check_number, names_by_path, skip_frozen_leaves
 from .max_logits import CAPTURE_HINT
 from .qk_clip import qk_clip, qk_clip_stats, threshold_or_nan
-from .layouts import check_layout, LayoutSpec
+from .layouts import check_layout, LayoutSpec, report_layout
 
 _MISSING_MAX_LOGITS = (
     "{name}: max_logits is missing, but the clip threshold is {tau!r}; pass "
@@ -147,6 +147,7 @@ def qk_clip_transform(qk_clip_threshold: optax.ScalarOrSchedule | None, *, layou
 
   def update_fn(updates, state, params=None, *, max_logits=None, **extra_args):
     del extra_args
+    report_layout("qk_clip", layout)  # for make_train_step(exact_clip=True)
     count = optax.safe_increment(state.count)
     if off:
       return updates, _state(count, jnp.inf)

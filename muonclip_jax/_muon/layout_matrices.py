@@ -113,10 +113,22 @@ def _find(kind: str, proj: Projection, module: str, shapes: Mapping[str, tuple],
     return proj, fit[0]
   if required:
     _, h, w = parts[0]
-    raise ValueError(
-        f"{caller}: {path} has shape {shape}, which does not hold the layout's {h} heads of {w} columns "
-        f"({lay}) with the module's stacked-layer shape {tuple(stack)}: tried axes {tried}; declare its "
-        f"storage with muonclip_jax.Projection({proj.name!r}, leaf={proj.leaf!r}, axes=...) in the layout's {field}=")
+    what = (f"{caller}: {path} has shape {shape}, which does not hold the layout's {h} heads of {w} columns "
+            f"({lay}) with the module's stacked-layer shape {tuple(stack)}")
+    rest = list(shape)
+    for n in stack:
+      if n in rest:
+        rest.remove(n)
+    other = "muon_blocks='matrix'" if kind == "value" else "muon_blocks='head' (the output projection whole)"
+    whole = (f"keep it one matrix with {type(lay).__name__}(..., {field}=None) (the other projections stay per "
+             f"head), or use {other}")
+    if h * w in rest or (h in rest and w in rest and (h != w or rest.count(h) > 1)):
+      raise ValueError(f"{what}: tried axes {tried}. If it is stored another way, declare its storage with "
+                       f"muonclip_jax.Projection({proj.name!r}, leaf={proj.leaf!r}, axes=...) in the layout's "
+                       f"{field}=; if its heads are not {w} wide, {whole}")
+    # no reading of these sizes holds h heads of w (e.g. value heads wider than head_dim): axes= cannot help
+    raise ValueError(f"{what}: none of its sizes besides the stacked layers' ({tuple(rest)}) is {h * w}, nor are "
+                     f"two of them {h} and {w}, so no axes= can declare it (heads of another width than {w}, say); {whole}")
   return proj, None
 
 

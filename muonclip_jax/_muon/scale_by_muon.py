@@ -28,7 +28,7 @@ from .._orthogonalize import (check_target, orthogonalize_leaves, orthogonalize_
 from .block_orthogonalize import orthogonalize_blocks
 from .layout_matrices import check_blocks, muon_blocks_lookup
 from .blocks import piece_dims
-from .._clip import LayoutSpec
+from .._clip import LayoutSpec, report_layout
 
 RMS_MODES = ("moonlight", "keller", None)
 
@@ -185,7 +185,9 @@ def scale_by_muon(
       every head the update RMS ``rms_scale``, as a whole-matrix update has. Anything other
       than ``"matrix"`` needs ``layout``; ``"head"`` and the groups also need each attention
       module's value projection (GQA ``value=``), ``"+out"`` its output projection (``out=``),
-      else ValueError naming the module.
+      else ValueError naming the module. One whose sizes cannot hold the layout's heads (value
+      heads of another width than ``head_dim``) is a ValueError too: ``value=None``
+      (``out=None``) keeps that projection one matrix, the others per head.
     shard_orthogonalization: static. ``None`` (default): each matrix is orthogonalized in
       its parameter's layout, as XLA partitions it (on a mesh every device repeats much of
       the work). A pytree of the params' ``NamedSharding`` (``sharding.param_shardings``,
@@ -274,6 +276,7 @@ def scale_by_muon(
 
   def update_fn(updates, state, params=None):
     del params
+    report_layout("muon", layout)  # for make_train_step(exact_clip=True)
     table = memo.recall(updates)
     lookup = blocks_of(updates) if table is None else (lambda p, _: table[p])
     mu = jax.tree.map(lambda m, g: (beta * m + g).astype(m.dtype), state.mu, updates)

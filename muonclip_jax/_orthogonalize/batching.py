@@ -27,8 +27,11 @@ per matrix:
 The loops run one after another, each waiting for the previous one's results
 (``_util.sequence.after``). Their stacked results are the default's extra temporary memory: at
 most one copy of the stacked matrices' updates (XLA keeps them until the leaves are
-finished). Grouping does not change the results here (the same products inside a loop:
-``tests/test_ns_batching.py`` measured 0 ulps on XLA:CPU, and bounds them).
+finished). Grouping changes the results by rounding only: the same products run inside a loop,
+but XLA may fuse the elementwise direction differently in a loop's branch than in a single call,
+and XLA:CPU may contract a multiply-add into an FMA in one and not the other, which Newton–Schulz
+amplifies (measured on XLA:CPU: 0 ulps in a jitted update; a probe found 35 ulps of a leaf's
+largest entry with the optimizer built inside an outer jit; ``tests/test_ns_batching.py`` bounds it).
 
 ``ns_batch=k`` keeps the rule it always had: same-shaped matrices (tall ones transposed to
 join the wide ones of their size) in leaf order, in calls of
