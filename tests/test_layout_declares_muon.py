@@ -185,7 +185,7 @@ def test_value_and_output_heads_of_another_width_are_told_the_remedy_that_works(
     mc.scale_by_muon(layout=lay, muon_blocks="head+out").init(fitting)
   mc.scale_by_muon(layout=dataclasses.replace(lay, out=None), muon_blocks="head+out").init(fitting)
   # sizes that another storage could hold (16 = 2 heads of 8, read (out, in)): both remedies are named
-  with pytest.raises(ValueError, match=r"declare its storage with muonclip_jax.Projection\('value', axes=...\).*"
+  with pytest.raises(ValueError, match=r"declare its storage with muonclip_jax.Projection\('value', leaf='kernel', axes=...\).*"
                                        r"if its heads are not 8 wide, keep it one matrix"):
     mc.scale_by_muon(layout=lay, muon_blocks="head").init({"attn": {**params["attn"],
                                                                     "value": {"kernel": jnp.ones((16, 24))}}})
