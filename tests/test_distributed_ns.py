@@ -140,10 +140,12 @@ def _problem(draw):
     m, n = draw(st.sampled_from(_SIDES)), draw(st.sampled_from(_SIDES))
     count = draw(st.sampled_from([1, 1, 3, 16]))
     shape = (count, m, n) if count > 1 else (m, n)
+    stack = draw(st.sampled_from([None, names[0]])) if count == 16 else None  # experts on their own axis
     entries = [draw(st.sampled_from([None] + names)) for _ in range(2)]
+    entries = [None if e == stack else e for e in entries]
     if entries[0] is not None and entries[0] == entries[1]:
       entries[1] = None
-    spec = ((None,) if count > 1 else ()) + tuple(entries)
+    spec = ((stack,) if count > 1 else ()) + tuple(entries)
     batch = (0,) if count > 1 else ()
     axes = (batch, tuple(a + len(batch) for a in (0,)), tuple(a + len(batch) for a in (1,)))
     dtype = draw(st.sampled_from([("float32", 4), ("bfloat16", 2)]))
@@ -162,13 +164,14 @@ def test_planner_places_every_matrix_once_within_the_grouped_traffic(problem):
     used: dict[int, list] = {}
     for (i, k), d, o in zip(cls.matrices, cls.device, cls.offset):
       m, n = leaves[i].mn
-      assert leaves[i].key == (cls.rows, cls.cols, leaves[i].dtype) and 0 <= d < devices
+      assert leaves[i].key == (cls.rows, cls.cols, leaves[i].dtype, cls.stack) and 0 <= d < devices
+      assert plan.home(cls, d) == d  # pinned: placed in the slice B = 0
       used.setdefault(d, []).append((o, o + m * n // cls.s))
       seen.add((i, k))
     for spans in used.values():  # blocks of one device side by side in its buffer row
       spans.sort()
       assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= cls.width
-  assert seen == {(i, k) for i, lf in enumerate(leaves) for k in range(lf.count)}
+  assert seen == {(i, k) for i, lf in enumerate(leaves) for k in range(lf.local_count)}
   fig = planner.figures(leaves, mesh, flops)
   total = sum(flops(*lf.mn) * lf.count for lf in leaves)
   assert sum(plan.device_flops) == pytest.approx(total)
