@@ -270,7 +270,9 @@ def test_hlo_collective_parser_reads_every_replica_group_spelling():
   for groups, expected in (("[2,4]<=[8]", ((0, 1, 2, 3), (4, 5, 6, 7))),
                            ("mesh['data'=2,'model'=4] {'model'}", ((0, 1, 2, 3), (4, 5, 6, 7))),
                            ("mesh['data'=2,'fsdp'=2,'model'=2] {'data','model'}", ((0, 1, 4, 5), (2, 3, 6, 7))),
-                           ("[1,8]<=[8]", (tuple(range(8)),))):
+                           ("[1,8]<=[8]", (tuple(range(8)),)),
+                           ("mesh['axis_0'=1,'axis_1'=2,'axis_2'=1,'axis_3'=4], device_ids=([2,2,2]T(1,0,2)) {'axis_1'}",
+                            ((0, 2), (1, 3), (4, 6), (5, 7)))):  # (JAX 0.10, a mesh whose devices are permuted)
     line = f"%ar = bf16[8,8]{{1,0}} all-reduce(%x), replica_groups={groups}, to_apply=%add"
     (c,) = hlo_collectives.collectives(line, 8)
     assert c.groups == expected and c.nbytes == 128, (groups, c.groups)
