@@ -201,8 +201,10 @@ def test_planner_figures_of_the_mla_sets():
 
 def test_unknown_and_non_block_layouts_are_gathered_first():
   mesh = {"data": 2, "model": 4}
-  stack_axis = planner.describe((4, 32, 64), ((0,), (1,), (2,)), ("model", None, None), mesh, "float32", 4)
-  assert (stack_axis.rows, stack_axis.cols, stack_axis.spec, stack_axis.gathered) == ((), (), (), 4)
+  uneven = planner.describe((3, 32, 64), ((0,), (1,), (2,)), ("model", None, None), mesh, "float32", 4)
+  assert (uneven.rows, uneven.cols, uneven.spec, uneven.gathered) == ((), (), (), 4)
+  experts = planner.describe((4, 32, 64), ((0,), (1,), (2,)), ("model", None, "data"), mesh, "float32", 4)
+  assert (experts.cols, experts.stack, experts.local_count, experts.gathered) == (("data",), ("model",), 1, 1)
   unknown = planner.describe((32, 64), ((), (0,), (1,)), None, mesh, "float32", 4)
   assert unknown.spec == () and unknown.gathered == 1
   tall = planner.describe((64, 32), ((), (0,), (1,)), ("model", "data"), mesh, "float32", 4)

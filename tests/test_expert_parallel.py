@@ -29,9 +29,9 @@ MESHES = {  # name: (mesh shape, axis names)
     "expert4xdata2": ((4, 2), ("expert", "data")),
     "expert2xfsdp2xdata2": ((2, 2, 2), ("expert", "fsdp", "data")),
 }
-E, D, F, L = 8, 32, 48, 2
+E, D, F, L = 8, 48, 64, 2
 LAYER = {  # name: (shape, logical names)
-    "attn/wq": ((D, 64), ("embed", "heads")),
+    "attn/wq": ((D, 96), ("embed", "heads")),
     "shared/wi": ((D, F), ("embed", "mlp")),
     "moe/wi_0": ((E, D, F), ("exp", "embed_no_exp", "mlp")),
     "moe/wo": ((E, F, D), ("exp", "mlp", "embed_no_exp")),

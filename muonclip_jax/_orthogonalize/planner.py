@@ -264,48 +264,55 @@ def _slice_devices(key: tuple, mesh: Mapping[str, int]) -> int:
 Homes = dict  # per class key: None (any device) or {home device in the slice B = 0: its repeating devices}
 
 
-def _lpt(mats: dict, caps: dict, devices: int, blocks: dict, homes: Homes) -> dict | None:
+def _lpt(mats: dict, caps: dict, devices: int, blocks: dict, homes: Homes, pinned_first: bool) -> dict | None:
   """LPT by FLOPs with a byte cap per device and class; None if a matrix fits nowhere.
 
-  Pinned classes go first (fixed load): each matrix to the home device whose repeating
-  devices are the least loaded; then the other matrices by LPT around that load.
+  A pinned matrix goes to the home device whose repeating devices are the least loaded (the
+  most loaded of them counts), any other to the least-loaded device. ``pinned_first``: the
+  pinned matrices are placed first, as fixed load, then the others around it; else all in
+  one order, largest first. Free matrices that tie go to the images of one home after
+  another (home-major order), so that the images of a home carry alike loads, which the
+  pinned matrices, placed alike on every image, can then level.
   """
   order = sorted(((f, key, idx, shape) for key, ms in mats.items() for idx, (f, _, shape) in enumerate(ms)),
-                 key=lambda t: -t[0])
+                 key=lambda t: ((homes[t[1]] is None) if pinned_first else False, -t[0]))
   load = [0.0] * devices
   used = {key: [0] * devices for key in mats}
   where = {key: [0] * len(ms) for key, ms in mats.items()}
-  heaps: dict[tuple, list] = {}  # per stack axes: (load of the most loaded repeating device, home)
+  heaps: dict[tuple, list] = {}  # per stack axes (() for the free matrices): (level, rank, device), lazily updated
+  pinned = next((h for h in homes.values() if h), None)
+  rank = list(range(devices))
+  if pinned is not None:
+    for r, d in enumerate(d for h in sorted(pinned) for d in pinned[h]):
+      rank[d] = r
 
-  def place(f, key, idx, shape, heap, images):
+  for f, key, idx, shape in order:
+    images = (lambda d: (d,)) if homes[key] is None else homes[key].__getitem__
+    level = lambda d: max(load[e] for e in images(d))  # noqa: E731
+    heap = heaps.get(key[3])
+    if heap is None:
+      heap = heaps[key[3]] = [(level(d), rank[d], d)
+                              for d in (range(devices) if homes[key] is None else sorted(homes[key]))]
+      heapq.heapify(heap)
     b = blocks[key][shape]
     skipped = []
     while heap:
-      ld, d = heapq.heappop(heap)
+      ld, rk, d = heapq.heappop(heap)
+      if ld != level(d):  # loads only grow: a stale entry goes back with its current level
+        heapq.heappush(heap, (level(d), rk, d))
+        continue
       if used[key][d] + b <= caps[key]:
         break
-      skipped.append((ld, d))
+      skipped.append((ld, rk, d))
     else:
-      return False
+      return None
     for item in skipped:
       heapq.heappush(heap, item)
     where[key][idx] = d
     used[key][d] += b
     for e in images(d):
       load[e] += f
-    heapq.heappush(heap, (max(load[e] for e in images(d)), d))
-    return True
-
-  for f, key, idx, shape in order:
-    if homes[key] is not None:
-      heap = heaps.setdefault(key[3], [(0.0, h) for h in sorted(homes[key])])
-      if not place(f, key, idx, shape, heap, homes[key].__getitem__):
-        return None
-  heap = [(load[d], d) for d in range(devices)]
-  heapq.heapify(heap)
-  for f, key, idx, shape in order:
-    if homes[key] is None and not place(f, key, idx, shape, heap, lambda d: (d,)):
-      return None
+    heapq.heappush(heap, (level(d), rank[d], d))
   return where
 
 
@@ -347,7 +354,8 @@ def plan(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops, *, place
     flops: FLOPs of orthogonalizing one ``m x n`` matrix (``m <= n``).
     placement: ``"best"``: the fewest FLOPs on the most loaded device among ``"grouped"``
       and LPT with the byte cap per class at 1, 1.25 and infinitely many times the
-      grouping's, keeping only those whose total traffic does not exceed the grouping's;
+      grouping's (with pinned matrices: each placed first, as fixed load, and all largest
+      first), keeping only those whose total traffic does not exceed the grouping's;
       ``"lpt"``: LPT without any cap (the whole-matrix bound); ``"grouped"``: the
       shape-by-shape placement (at most ``ceil(c / D)`` matrices of a shape per device),
       without zero-matrix padding.
@@ -400,14 +408,17 @@ def plan(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops, *, place
   if placement == "grouped":
     return build(grouped)
   if placement == "lpt":
-    return build(_lpt(mats, {k: math.inf for k in mats}, devices, blocks, homes))
+    orders = (True, False) if any(homes.values()) else (True,)
+    return min((build(_lpt(mats, {k: math.inf for k in mats}, devices, blocks, homes, o)) for o in orders),
+               key=lambda p: p.max_flops)
   if placement != "best":
     raise ValueError(f"placement must be 'best', 'lpt' or 'grouped', got {placement!r}")
   options = [build(grouped)]
   for scale in (1, 1.25, math.inf):  # the cap per class, then only the total traffic bounded
-    where = _lpt(mats, {k: c * scale for k, c in caps.items()}, devices, blocks, homes)
-    if where is not None:
-      options.append(build(where))
+    for pinned_first in (True, False) if any(homes.values()) else (True,):
+      where = _lpt(mats, {k: c * scale for k, c in caps.items()}, devices, blocks, homes, pinned_first)
+      if where is not None:
+        options.append(build(where))
   return min((p for p in options if p.comm <= grouped_bytes), key=lambda p: (p.max_flops, p.comm))
 
 
