@@ -46,6 +46,14 @@ bytes received per device, the bytes of expert stacks each device would receive 
 been gathered (what the planner did before it pinned sharded stacks), and the estimated
 optimizer step on the H100 model against a forward/backward estimate.
 
+Compiled (``--part experts-compiled``, 8 fake CPU devices): one MoE layer (a small MLA
+attention, 16 routed experts of 256 x 512, a shared expert), the experts sharded on
+``expert``, ``embed`` on ``fsdp``, on expert 4 x data 2 and expert 2 x fsdp 2 x data 2:
+``scale_by_muon`` under plain SPMD and with ``shard_orthogonalization``, per-device FLOPs
+over one device's, bytes received, and the largest all-gather's result against an expert
+stack's elements. Runs against any revision of the package on ``PYTHONPATH`` (the
+shardings are given explicitly), so before and after a change.
+
 Split over device groups (``--part hybrid``, pure Python): whole-matrix against hybrid plans (the largest
 matrices split over device groups, ``_orthogonalize.hybrid``) for dense 70B- and 405B-like and a
 DeepSeek-V3-like model on 8 to 4096 devices: FLOPs of the most loaded device over the
@@ -59,6 +67,7 @@ device models (H100 with NVLink, TPU v5p with ICI) against a forward/backward es
   python benchmarks/bench_sharding.py --part planner
   python benchmarks/bench_sharding.py --part hybrid [--models "dense 70B-like"]
   python benchmarks/bench_sharding.py --part experts
+  python benchmarks/bench_sharding.py --part experts-compiled
 """
 
 from __future__ import annotations
@@ -136,9 +145,9 @@ def analytic(params: dict, **ns) -> float | None:
   return float(total)
 
 
-def measure(opt: optax.GradientTransformation, params: dict, shardings: dict | None, devices: int
-            ) -> tuple[float, float, float, dict]:
-  """(unrolled FLOPs, rolled FLOPs, comm bytes, collective counts) of one device's update."""
+def measure(opt: optax.GradientTransformation, params: dict, shardings: dict | None, devices: int, *,
+            hlo: bool = False) -> tuple:
+  """(unrolled FLOPs, rolled FLOPs, comm bytes, collective counts[, HLO text]) of one device's update."""
   if shardings is not None:
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
   state = jax.eval_shape(opt.init, params)
@@ -150,7 +159,8 @@ def measure(opt: optax.GradientTransformation, params: dict, shardings: dict | N
   with unrolled_loops():
     compiled = jax.jit(lambda g, s, p: opt.update(g, s, p)).lower(params, state, params).compile()
   comm, counts = communication(compiled.as_text(), devices)
-  return compiled.cost_analysis()["flops"], rolled.cost_analysis()["flops"], comm, counts
+  out = (compiled.cost_analysis()["flops"], rolled.cost_analysis()["flops"], comm, counts)
+  return out + (compiled.as_text(),) if hlo else out
 
 
 DEFAULT_NS = dict(steps=None, coeffs="polar_express_4", method="auto")  # scale_by_muon's default
@@ -337,6 +347,34 @@ def experts_part() -> None:
           f"| {fwd:.0f} | {100 * step / (step + fwd):.1f}% |", flush=True)
 
 
+EP_LAYER = {**model_shapes.mla_attention(256, 4, 96, 64, 32, 16, 32), **model_shapes.experts(256, 512, 16),
+            **model_shapes.mlp(256, 512, "shared/")}
+EP_RULES = (("expert", "expert"), ("embed", "fsdp"), ("q_lora", "fsdp"), ("kv_lora", "fsdp"))
+
+
+def experts_compiled_part() -> None:
+  """Plain SPMD and ``shard_orthogonalization`` on expert-parallel meshes, compiled."""
+  params, names = model_shapes.model(EP_LAYER, 1)
+  axes = mc.MatrixAxes((-2,), (-1,))
+  stack = min(math.prod(x.shape) for x in jax.tree.leaves(params) if len(x.shape) == 3)
+  one, _, _, _ = measure(mc.scale_by_muon(matrix_axes=axes), params, None, 1)
+  print(f"one device: {one / 1e9:.3f} GFLOP; an expert stack: {stack} elements")
+  print("| mesh | mode | GFLOP/dev | over one device | comm MB/dev | collectives | largest all-gather (elements) "
+        "| expert stack gathered |\n|---|---|---:|---:|---:|---|---:|---|")
+  for shape, names_ in (((4, 2), ("expert", "data")), ((2, 2, 2), ("expert", "fsdp", "data"))):
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), names_)
+    ps = sharding.param_shardings(params, mesh, logical_axes=names, rules=EP_RULES)
+    for mode in ("plain SPMD", "shard_orthogonalization"):
+      kw = dict(shard_orthogonalization=ps) if mode != "plain SPMD" else {}
+      opt = mc.scale_by_muon(matrix_axes=axes, **kw)
+      flops, _, comm, counts, hlo = measure(opt, params, ps, 8, hlo=True)
+      gathers = [c.elements for c in hlo_collectives.collectives(hlo, 8) if c.op == "all-gather"]
+      largest = max(gathers, default=0)
+      print(f"| {' x '.join(f'{a} {s}' for a, s in zip(names_, shape))} | {mode} | {flops / 1e9:.3f} "
+            f"| {flops / one:.3f} | {comm / 1e6:.2f} | {', '.join(f'{k} x{v}' for k, v in sorted(counts.items()))} "
+            f"| {largest} | {'yes' if largest >= stack else 'no'} |", flush=True)
+
+
 def planner_part() -> None:
   flops = distributed.ns_flops_of(DEFAULT_NS)
   print("| model | devices (mesh) | matrices | new | LPT bound | by shape | Moonlight | comm GB new | by shape "
@@ -355,7 +393,8 @@ def planner_part() -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--part", choices=("gpt2", "mla", "moe", "planner", "hybrid", "experts"), default="gpt2")
+  parser.add_argument("--part", choices=("gpt2", "mla", "moe", "planner", "hybrid", "experts", "experts-compiled"),
+                      default="gpt2")
   parser.add_argument("--models", default=",".join(HYBRID_MODELS), help="hybrid: comma-separated model names")
   parser.add_argument("--devices", type=int, default=8, help="fake CPU devices (mla: 64 for the 8x8 mesh)")
   parser.add_argument("--baseline", default=BASELINE, help="git revision of the shape-by-shape grouping's sharding.py")
@@ -370,6 +409,8 @@ def main() -> None:
     return hybrid_part(args.models.split(","))
   if args.part == "experts":
     return experts_part()
+  if args.part == "experts-compiled":
+    return experts_compiled_part()
   if args.part == "mla":
     return mla_part(args.devices, grouped_module(args.baseline))
   if args.part == "moe":
