@@ -34,8 +34,9 @@ FSDP), and only the devices of that slice take part in their exchange (``R`` exc
 ``B``). Its class is *pinned*: the ``c`` local matrices (the local stack's, by local index)
 are placed once over the devices of the slice at ``B = 0`` and every other slice repeats that
 placement on its own experts, so each device of a slice orthogonalizes the same local
-positions, and the packing programs do not depend on ``B``. Pinned matrices are placed
-first, as fixed load; the other matrices are then placed by LPT around it.
+positions, and the packing programs do not depend on ``B`` (``_orthogonalize.placement``).
+The plan tries the pinned matrices first, as fixed load with the others placed around it,
+and all matrices largest first, and keeps the better.
 
 The grouping's traffic is that of the width ``C = sum_g ceil(c_g / D) m_g n_g / s`` per
 class (``c_g`` matrices of shape ``g`` in it: each group zero-padded to a multiple of ``D``);
@@ -45,10 +46,11 @@ the grouping meets it by construction, so the plan's communication never exceeds
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from . import placement as placing
 
 Entry = str | tuple[str, ...] | None
 Flops = Callable[[int, int], float]
@@ -191,7 +193,7 @@ class Plan:
 
   def home(self, cls: Class, d: int) -> int:
     """The device of the slice ``B = 0`` whose placement device ``d`` repeats (``d`` if unpinned)."""
-    return _home(self.axes, self.sizes, cls.stack, d)
+    return placing.home(self.axes, self.sizes, cls.stack, d)
 
   @property
   def comm(self) -> int:
@@ -201,25 +203,6 @@ class Plan:
   @property
   def max_flops(self) -> float:
     return max(self.device_flops)
-
-
-def _home(axes: Sequence[str], sizes: Sequence[int], stack: Sequence[str], d: int) -> int:
-  """Device ``d`` with its coordinates over ``stack`` set to 0 (devices raveled over ``axes``)."""
-  out, step = 0, 1
-  for a, size in zip(reversed(axes), reversed(sizes)):
-    if a not in stack:
-      out += (d % size) * step
-    d //= size
-    step *= size
-  return out
-
-
-def _images(axes: Sequence[str], sizes: Sequence[int], stack: Sequence[str]) -> dict[int, list[int]]:
-  """``{home device: every device that repeats its placement}`` over the slices of ``stack``."""
-  out: dict[int, list[int]] = {}
-  for d in range(math.prod(sizes)):
-    out.setdefault(_home(axes, sizes, stack, d), []).append(d)
-  return out
 
 
 def _ravel(coords: Mapping[str, int], axes: Sequence[str], mesh: Mapping[str, int]) -> int:
@@ -261,89 +244,6 @@ def _slice_devices(key: tuple, mesh: Mapping[str, int]) -> int:
   return math.prod(mesh.values()) // _size(key[3], mesh)
 
 
-Homes = dict  # per class key: None (any device) or {home device in the slice B = 0: its repeating devices}
-
-
-def _lpt(mats: dict, caps: dict, devices: int, blocks: dict, homes: Homes, pinned_first: bool) -> dict | None:
-  """LPT by FLOPs with a byte cap per device and class; None if a matrix fits nowhere.
-
-  A pinned matrix goes to the home device whose repeating devices are the least loaded (the
-  most loaded of them counts), any other to the least-loaded device. ``pinned_first``: the
-  pinned matrices are placed first, as fixed load, then the others around it; else all in
-  one order, largest first. Free matrices that tie go to the images of one home after
-  another (home-major order), so that the images of a home carry alike loads, which the
-  pinned matrices, placed alike on every image, can then level.
-  """
-  order = sorted(((f, key, idx, shape) for key, ms in mats.items() for idx, (f, _, shape) in enumerate(ms)),
-                 key=lambda t: ((homes[t[1]] is None) if pinned_first else False, -t[0]))
-  load = [0.0] * devices
-  used = {key: [0] * devices for key in mats}
-  where = {key: [0] * len(ms) for key, ms in mats.items()}
-  heaps: dict[tuple, list] = {}  # per stack axes (() for the free matrices): (level, rank, device), lazily updated
-  pinned = next((h for h in homes.values() if h), None)
-  rank = list(range(devices))
-  if pinned is not None:
-    for r, d in enumerate(d for h in sorted(pinned) for d in pinned[h]):
-      rank[d] = r
-
-  for f, key, idx, shape in order:
-    images = (lambda d: (d,)) if homes[key] is None else homes[key].__getitem__
-    level = lambda d: max(load[e] for e in images(d))  # noqa: E731
-    heap = heaps.get(key[3])
-    if heap is None:
-      heap = heaps[key[3]] = [(level(d), rank[d], d)
-                              for d in (range(devices) if homes[key] is None else sorted(homes[key]))]
-      heapq.heapify(heap)
-    b = blocks[key][shape]
-    skipped = []
-    while heap:
-      ld, rk, d = heapq.heappop(heap)
-      if ld != level(d):  # loads only grow: a stale entry goes back with its current level
-        heapq.heappush(heap, (level(d), rk, d))
-        continue
-      if used[key][d] + b <= caps[key]:
-        break
-      skipped.append((ld, rk, d))
-    else:
-      return None
-    for item in skipped:
-      heapq.heappush(heap, item)
-    where[key][idx] = d
-    used[key][d] += b
-    for e in images(d):
-      load[e] += f
-    heapq.heappush(heap, (level(d), rank[d], d))
-  return where
-
-
-def _grouped(mats: dict, devices: int, homes: Homes) -> dict:
-  """The shape-by-shape placement: per shape, at most ``ceil(c / D)`` matrices per device and
-  class (pinned classes: ``c`` local matrices over the ``D / |B|`` devices of a slice)."""
-  where = {key: [0] * len(ms) for key, ms in mats.items()}
-  by_shape: dict[tuple, dict[tuple, list]] = {}
-  for key, ms in mats.items():
-    for idx, (_, _, shape) in enumerate(ms):
-      by_shape.setdefault((shape, key[2]), {}).setdefault(key, []).append(idx)
-  for per_class in by_shape.values():
-    load = [0] * devices  # matrices of this shape per device, over its classes
-    for key, idxs in per_class.items():
-      images = (lambda d: (d,)) if homes[key] is None else homes[key].__getitem__
-      candidates = range(devices) if homes[key] is None else sorted(homes[key])
-      q = -(-len(idxs) // len(candidates))
-      used = [0] * devices
-      heap = [(max(load[e] for e in images(d)), d) for d in candidates]
-      heapq.heapify(heap)
-      for idx in idxs:
-        _, d = heapq.heappop(heap)
-        where[key][idx] = d
-        used[d] += 1
-        for e in images(d):
-          load[e] += 1
-        if used[d] < q:
-          heapq.heappush(heap, (max(load[e] for e in images(d)), d))
-  return where
-
-
 def plan(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops, *, placement: str = "best",
          skip: frozenset = frozenset()) -> Plan:
   """The plan for ``leaves`` on a mesh of axis sizes ``mesh`` (ordered as the mesh's axes).
@@ -367,7 +267,7 @@ def plan(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops, *, place
   mats = _matrices(leaves, flops, skip)
   rep_of = {key: tuple(a for a in axes if a not in key[0] + key[1] + key[3]) for key in mats}
   s_of = {key: _size(key[0] + key[1], mesh) for key in mats}
-  homes = {key: _images(axes, sizes, key[3]) if key[3] else None for key in mats}
+  homes = {key: placing.images(axes, sizes, key[3]) if key[3] else None for key in mats}
   blocks = {key: {shape: shape[0] * shape[1] // s_of[key] for _, _, shape in ms} for key, ms in mats.items()}
   caps: dict[tuple, int] = {key: 0 for key in mats}
   for (key, m, n), c in grouped_counts(leaves, skip).items():
@@ -398,7 +298,7 @@ def plan(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops, *, place
     return tuple(out)
 
   gather = sum(int(math.prod(lf.shape) * lf.itemsize * (lf.gathered - 1) / lf.gathered) for lf in leaves)
-  grouped = _grouped(mats, devices, homes)
+  grouped = placing.grouped(mats, devices, homes)
   grouped_bytes = gather + sum(c.comm() for c in classes(grouped, caps))
 
   def build(where):
@@ -409,14 +309,14 @@ def plan(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops, *, place
     return build(grouped)
   if placement == "lpt":
     orders = (True, False) if any(homes.values()) else (True,)
-    return min((build(_lpt(mats, {k: math.inf for k in mats}, devices, blocks, homes, o)) for o in orders),
+    return min((build(placing.lpt(mats, {k: math.inf for k in mats}, devices, blocks, homes, o)) for o in orders),
                key=lambda p: p.max_flops)
   if placement != "best":
     raise ValueError(f"placement must be 'best', 'lpt' or 'grouped', got {placement!r}")
   options = [build(grouped)]
   for scale in (1, 1.25, math.inf):  # the cap per class, then only the total traffic bounded
     for pinned_first in (True, False) if any(homes.values()) else (True,):
-      where = _lpt(mats, {k: c * scale for k, c in caps.items()}, devices, blocks, homes, pinned_first)
+      where = placing.lpt(mats, {k: c * scale for k, c in caps.items()}, devices, blocks, homes, pinned_first)
       if where is not None:
         options.append(build(where))
   return min((p for p in options if p.comm <= grouped_bytes), key=lambda p: (p.max_flops, p.comm))
