@@ -36,6 +36,26 @@ Balanced placement parts (``--part``), with the library's default iteration (pol
 * ``planner``: ``planner.figures`` (pure Python) for a DeepSeek-V3-like and a dense
   70B-like model on 8 to 1024 devices.
 
+Expert parallelism (``--part experts``, pure Python): the DeepSeek-V3-like model with its
+routed experts sharded on an ``expert`` mesh axis (``sharding.DEFAULT_RULES``: ``expert`` ->
+``expert``), combined with FSDP (and data parallelism), on 64 to 1024 devices, against the
+same devices without expert parallelism (the experts whole on every device, FSDP-sharded):
+the most loaded device's FLOPs over the ideal, its own experts' share (the fixed load the
+planner places first; what plain SPMD orthogonalizes on every device of an expert slice),
+bytes received per device, the bytes of expert stacks each device would receive had they
+been gathered (what the planner did before it pinned sharded stacks), and the estimated
+optimizer step on the H100 model against a forward/backward estimate.
+
+Compiled (``--part experts-compiled``, 8 fake CPU devices): one MoE layer (a small MLA
+attention, 16 routed experts of 256 x 512, a shared expert), the experts sharded on
+``expert``, ``embed`` on ``fsdp``, on expert 4 x data 2 and expert 2 x fsdp 2 x data 2:
+``scale_by_muon`` under plain SPMD and with ``shard_orthogonalization``, per-device FLOPs
+over one device's, bytes received, and every all-gather's result shape and group size (an
+expert stack is ``(16, 256, 512)`` or ``(16, 512, 256)``). Runs against any revision of the
+package on ``PYTHONPATH`` (the shardings are given explicitly), so before and after a
+change; XLA's cost analysis counts a loop's body once, so the FLOPs of a revision whose
+default loops over a stack's matrices (``lax.map``) are undercounted.
+
 Split over device groups (``--part hybrid``, pure Python): whole-matrix against hybrid plans (the largest
 matrices split over device groups, ``_orthogonalize.hybrid``) for dense 70B- and 405B-like and a
 DeepSeek-V3-like model on 8 to 4096 devices: FLOPs of the most loaded device over the
@@ -48,6 +68,8 @@ device models (H100 with NVLink, TPU v5p with ICI) against a forward/backward es
   python benchmarks/bench_sharding.py --part moe
   python benchmarks/bench_sharding.py --part planner
   python benchmarks/bench_sharding.py --part hybrid [--models "dense 70B-like"]
+  python benchmarks/bench_sharding.py --part experts
+  python benchmarks/bench_sharding.py --part experts-compiled
 """
 
 from __future__ import annotations
@@ -56,6 +78,7 @@ import argparse
 import contextlib
 import inspect
 import functools
+import math
 import os
 import subprocess
 import sys
@@ -124,9 +147,9 @@ def analytic(params: dict, **ns) -> float | None:
   return float(total)
 
 
-def measure(opt: optax.GradientTransformation, params: dict, shardings: dict | None, devices: int
-            ) -> tuple[float, float, float, dict]:
-  """(unrolled FLOPs, rolled FLOPs, comm bytes, collective counts) of one device's update."""
+def measure(opt: optax.GradientTransformation, params: dict, shardings: dict | None, devices: int, *,
+            hlo: bool = False) -> tuple:
+  """(unrolled FLOPs, rolled FLOPs, comm bytes, collective counts[, HLO text]) of one device's update."""
   if shardings is not None:
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
   state = jax.eval_shape(opt.init, params)
@@ -138,7 +161,8 @@ def measure(opt: optax.GradientTransformation, params: dict, shardings: dict | N
   with unrolled_loops():
     compiled = jax.jit(lambda g, s, p: opt.update(g, s, p)).lower(params, state, params).compile()
   comm, counts = communication(compiled.as_text(), devices)
-  return compiled.cost_analysis()["flops"], rolled.cost_analysis()["flops"], comm, counts
+  out = (compiled.cost_analysis()["flops"], rolled.cost_analysis()["flops"], comm, counts)
+  return out + (compiled.as_text(),) if hlo else out
 
 
 DEFAULT_NS = dict(steps=None, coeffs="polar_express_4", method="auto")  # scale_by_muon's default
@@ -286,6 +310,73 @@ def hybrid_part(models: list[str]) -> None:
             f"| {bound} | {1e3 * h100.compute_s(fwd):.0f} | {100 * share:.1f}% |", flush=True)
 
 
+# Expert parallelism x FSDP (x data) meshes, and the same device counts without an expert axis.
+EXPERT_MESHES = [((8, 8), ("fsdp", "data")), ((8, 8), ("expert", "fsdp")), ((64, 1), ("expert", "fsdp")),
+                 ((16, 16), ("fsdp", "data")), ((16, 16), ("expert", "fsdp")), ((32, 8), ("expert", "fsdp")),
+                 ((16, 64), ("fsdp", "data")), ((8, 16, 8), ("expert", "fsdp", "data")),
+                 ((32, 8, 4), ("expert", "fsdp", "data")), ((64, 16), ("expert", "fsdp"))]
+
+
+def experts_part() -> None:
+  """Expert-parallel plans of the DeepSeek-V3-like model (module docstring)."""
+  from muonclip_jax._orthogonalize import cost, hybrid
+  flops = distributed.ns_flops_of(DEFAULT_NS)
+  split_cost = distributed.split_cost_of(dict(DEFAULT_NS))
+  h100 = cost.H100_NVLINK
+  layers = model_shapes.deepseek_v3()
+  tokens = HYBRID_MODELS["DeepSeek-V3-like"][1]
+  active = model_shapes.active_params(layers)
+  print("| devices (mesh) | EP | matrices | new / ideal | LPT bound / ideal | own experts / ideal | comm GB new "
+        "| experts gathered GB | H100 ms (auto) | bound | fwd+bwd ms H100 | Muon share H100 |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+  for shape, axes in EXPERT_MESHES:
+    mesh = AbstractMesh(shape, axes)
+    devices = mesh.size
+    leaves = planner_leaves(layers, mesh)
+    fig = planner.figures(leaves, dict(mesh.shape), flops)
+    total = fig["new"].total
+    ideal = total / devices
+    own = sum(flops(*lf.mn) * lf.local_count for lf in leaves if lf.stack)
+    gathered = sum(math.prod(lf.shape) * lf.itemsize * (1 - 1 / lf.stack_shards) for lf in leaves if lf.stack)
+    auto = hybrid.plan(leaves, dict(mesh.shape), flops, split_cost=split_cost, device=h100)
+    step = 1e3 * auto.step_s(h100)
+    fwd = 1e3 * h100.compute_s(6 * active * tokens / devices)
+    bound = "comm" if h100.comm_s(auto.comm) > h100.compute_s(auto.max_flops) else "compute"
+    ep = dict(mesh.shape).get("expert", 1)
+    print(f"| {devices} ({' x '.join(f'{a} {s}' for a, s in zip(axes, shape))}) | {ep} "
+          f"| {sum(lf.count for lf in leaves)} | {fig['new'].flops / ideal:.3f} | {fig['lpt'].flops / ideal:.3f} "
+          f"| {own / ideal:.3f} | {fig['new'].comm / 1e9:.2f} | {gathered / 1e9:.1f} | {step:.1f} | {bound} "
+          f"| {fwd:.0f} | {100 * step / (step + fwd):.1f}% |", flush=True)
+
+
+EP_LAYER = {**model_shapes.mla_attention(256, 4, 96, 64, 32, 16, 32), **model_shapes.experts(256, 512, 16),
+            **model_shapes.mlp(256, 512, "shared/")}
+EP_RULES = (("expert", "expert"), ("embed", "fsdp"), ("q_lora", "fsdp"), ("kv_lora", "fsdp"))
+
+
+def experts_compiled_part() -> None:
+  """Plain SPMD and ``shard_orthogonalization`` on expert-parallel meshes, compiled."""
+  params, names = model_shapes.model(EP_LAYER, 1)
+  axes = mc.MatrixAxes((-2,), (-1,))
+  one, _, _, _ = measure(mc.scale_by_muon(matrix_axes=axes), params, None, 1)
+  print(f"one device: {one / 1e9:.3f} GFLOP")
+  print("| mesh | mode | GFLOP/dev | over one device | comm MB/dev | collectives | all-gathers: result / group "
+        "|\n|---|---|---:|---:|---:|---|---|")
+  for shape, names_ in (((4, 2), ("expert", "data")), ((2, 2, 2), ("expert", "fsdp", "data"))):
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), names_)
+    ps = sharding.param_shardings(params, mesh, logical_axes=names, rules=EP_RULES)
+    for mode in ("plain SPMD", "shard_orthogonalization"):
+      kw = dict(shard_orthogonalization=ps) if mode != "plain SPMD" else {}
+      opt = mc.scale_by_muon(matrix_axes=axes, **kw)
+      flops, _, comm, counts, hlo = measure(opt, params, ps, 8, hlo=True)
+      gathers = sorted({(c.shapes[0][1], c.group_size) for c in hlo_collectives.collectives(hlo, 8)
+                        if c.op == "all-gather"}, key=lambda t: -math.prod(t[0]))
+      shown = ", ".join(f"{'x'.join(map(str, d))}/{g}" for d, g in gathers) or "none"
+      print(f"| {' x '.join(f'{a} {s}' for a, s in zip(names_, shape))} | {mode} | {flops / 1e9:.3f} "
+            f"| {flops / one:.3f} | {comm / 1e6:.2f} | {', '.join(f'{k} x{v}' for k, v in sorted(counts.items()))} "
+            f"| {shown} |", flush=True)
+
+
 def planner_part() -> None:
   flops = distributed.ns_flops_of(DEFAULT_NS)
   print("| model | devices (mesh) | matrices | new | LPT bound | by shape | Moonlight | comm GB new | by shape "
@@ -304,7 +395,8 @@ def planner_part() -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--part", choices=("gpt2", "mla", "moe", "planner", "hybrid"), default="gpt2")
+  parser.add_argument("--part", choices=("gpt2", "mla", "moe", "planner", "hybrid", "experts", "experts-compiled"),
+                      default="gpt2")
   parser.add_argument("--models", default=",".join(HYBRID_MODELS), help="hybrid: comma-separated model names")
   parser.add_argument("--devices", type=int, default=8, help="fake CPU devices (mla: 64 for the 8x8 mesh)")
   parser.add_argument("--baseline", default=BASELINE, help="git revision of the shape-by-shape grouping's sharding.py")
@@ -317,6 +409,10 @@ def main() -> None:
     return planner_part()
   if args.part == "hybrid":
     return hybrid_part(args.models.split(","))
+  if args.part == "experts":
+    return experts_part()
+  if args.part == "experts-compiled":
+    return experts_compiled_part()
   if args.part == "mla":
     return mla_part(args.devices, grouped_module(args.baseline))
   if args.part == "moe":

@@ -9,7 +9,9 @@ read here:
   optional transpose ``[G,S]<=[A,B]T(1,0)`` (the iota reshaped to ``[A,B]``, transposed,
   flattened, cut into ``G`` rows);
 * the mesh form of JAX 0.12 (``mesh['data'=2,'model'=4] {'model'}``: the devices that
-  differ only along the named axes form a group; devices numbered in mesh order).
+  differ only along the named axes form a group; devices numbered in mesh order, or as
+  ``device_ids=([2,2,2]T(1,0,2))`` lists them: an iota reshaped and transposed, the device
+  of each mesh position).
 
 Asynchronous pairs (``all-gather-start``/``-done``) are read at their start, whose last
 result shape is the gathered one. Used by ``bench_sharding.py`` and the tests.
@@ -66,12 +68,18 @@ def parse_groups(line: str, devices: int) -> tuple[tuple[int, ...], ...]:
       ids = ids.transpose([int(x) for x in m.group(3).split(",")])
     ids = ids.reshape(out[0], -1)
     return tuple(tuple(int(x) for x in row) for row in ids)
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+                r"\s*\{([^}]*)\}", line)
   if m:
     axes = [(a, int(s)) for a, s in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
-    within = set(re.findall(r"'([^']+)'", m.group(2)))
+    within = set(re.findall(r"'([^']+)'", m.group(4)))
     names = [a for a, _ in axes]
-    ids = np.arange(math.prod(s for _, s in axes)).reshape([s for _, s in axes])
+    ids = np.arange(math.prod(s for _, s in axes))
+    if m.group(2):  # the device at each mesh position: an iota, reshaped and transposed
+      ids = ids.reshape([int(x) for x in m.group(2).split(",")])
+      if m.group(3):
+        ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+    ids = ids.reshape([s for _, s in axes])
     inner = [i for i, a in enumerate(names) if a in within]
     outer = [i for i, a in enumerate(names) if a not in within]
     ids = ids.transpose(outer + inner).reshape(-1, math.prod(axes[i][1] for i in inner) if inner else 1)

@@ -5,7 +5,8 @@ parameters, optimizer state and batch carry shardings, XLA partitions the progra
 module gives
 
 * ``DEFAULT_RULES``: logical axis names of the library's modules (and of
-  ``examples/mla_lm.py``) -> mesh axes ``data``, ``fsdp``, ``model``; ``logical_to_spec``
+  ``examples/mla_lm.py``, and MaxText's expert names) -> mesh axes ``data``, ``fsdp``,
+  ``model``, ``expert``; ``logical_to_spec``
   applies them to one array, ``param_shardings`` to a parameter tree, ``batch_shardings``
   to a batch, ``state_shardings``/``init_state`` give optimizer state the shardings of the
   parameters each leaf belongs to (never replicated), ``jit_train_step`` jits a train step
@@ -46,12 +47,17 @@ Rules = Sequence[tuple[str, MeshAxes]]
 # axis: the first whose mesh axes exist, are unused by the array's other dimensions and
 # divide the dimension wins; None replicates). See docs/sharding.md for the table.
 DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
-    ("batch", ("data", "fsdp")),  # activations/batch: data parallel (FSDP shards data too)
+    ("batch", ("data", "fsdp", "expert")),  # activations/batch: data parallel (FSDP and expert devices too)
+    ("batch", ("data", "fsdp")),  # (a batch that the expert axis does not divide further)
     ("vocab", "model"),  # embedding rows, LM-head columns
     ("heads", "model"),  # attention heads (head-major columns of wq/wq_b/wkv_b, rows of wo)
     ("kv_heads", "model"),  # GQA key/value heads
     ("mlp", "model"),  # MLP hidden units
+    ("exp", "expert"),  # MaxText's expert axis of its expert stacks (E, [layers,] in, out)
+    ("expert", "expert"),  # the same, other spellings: expert parallelism, each device holds whole experts
+    ("experts", "expert"),
     ("embed", "fsdp"),  # the model width: FSDP shards every large matrix along it
+    ("embed_no_exp", "fsdp"),  # MaxText's width axis of its expert kernels
     ("q_lora", "fsdp"),  # MLA query latent (wq_a columns, wq_b rows)
     ("kv_lora", "fsdp"),  # MLA key/value latent (wkv_a columns, wkv_b rows)
     ("layers", None),  # nn.scan's stacked-layer axis
@@ -59,6 +65,11 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("length", None),  # sequence
 )
 
+
+# The expert axis names: a dimension so named must be split by its mesh axis when the mesh
+# has it (expert parallelism keeps whole experts on each device; replicating every expert on
+# every device instead is refused, not done silently).
+EXPERT_NAMES = frozenset({"exp", "expert", "experts"})
 
 # ----------------------------------------------------------------------------- rules
 
@@ -78,6 +89,9 @@ def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mes
   an applicable rule, and a ``None`` name, is replicated too. So a mesh without an
   ``fsdp`` axis simply leaves ``embed`` unsharded, and an MLA ``wkv_a`` kernel
   ``("embed", "kv_lora")`` shards ``embed`` over ``fsdp`` and leaves ``kv_lora`` whole.
+  An expert axis (``"exp"``, ``"expert"``, ``"experts"``) whose rule's mesh axes are in the
+  mesh but do not divide the number of experts is a ValueError instead (pick an expert axis
+  size that divides it, or map the name to ``None`` in ``rules`` to replicate the experts).
 
   Args:
     names: one logical name (or None) per leading dimension (``len(names) <= len(shape)``;
@@ -100,6 +114,9 @@ def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mes
     >>> one = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "model"))
     >>> sharding.logical_to_spec(("embed", "mlp"), (1024, 4096), one)  # axes of size 1 are not used
     P(None, None)
+    >>> experts = AbstractMesh((4, 2), ("expert", "fsdp"))  # expert parallelism x FSDP
+    >>> sharding.logical_to_spec(("exp", "embed_no_exp", "mlp"), (64, 1024, 4096), experts)
+    P('expert', 'fsdp', None)
   """
   names = tuple(names)
   shape = tuple(int(s) for s in shape)
@@ -122,6 +139,11 @@ def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mes
         if axes and not used.intersection(axes) and dim % size == 0:
           chosen = axes
           break
+        if axes and name in EXPERT_NAMES and dim % size:
+          raise ValueError(
+              f"logical_to_spec: {dim} experts (axis {name!r} of shape {shape}) do not split over mesh axes "
+              f"{axes} of {size} devices; use an expert axis whose size divides {dim}, or rules mapping "
+              f"{name!r} to None to replicate the experts")
     used.update(chosen)
     out.append(_spec_entry(chosen))
   return P(*out)
@@ -174,7 +196,10 @@ def param_shardings(params: Any, mesh: Mesh, *, logical_axes: Any = None,
 
   def one(path, x):
     names = table.get(path_str(path)) or ()
-    return NamedSharding(mesh, logical_to_spec(tuple(names), np.shape(x), mesh, rules))
+    try:
+      return NamedSharding(mesh, logical_to_spec(tuple(names), np.shape(x), mesh, rules))
+    except ValueError as e:
+      raise ValueError(f"param_shardings: {path_str(path)}: {e}") from None
 
   return jax.tree_util.tree_map_with_path(one, params)
 
@@ -182,9 +207,11 @@ def param_shardings(params: Any, mesh: Mesh, *, logical_axes: Any = None,
 def batch_shardings(batch: Any, mesh: Mesh, *, rules: Rules = DEFAULT_RULES) -> Any:
   """Shardings of a batch pytree whose leaves' leading axis is the logical ``"batch"``.
 
-  With the default rules the batch is split over ``data`` and ``fsdp`` (every device of a
-  data x fsdp x model mesh sees ``B / (data * fsdp)`` examples; ``model`` replicas share
-  theirs). A batch size not divisible by the product falls back to replication.
+  With the default rules the batch is split over ``data``, ``fsdp`` and ``expert`` (every
+  device of a data x fsdp x model mesh sees ``B / (data * fsdp)`` examples; ``model``
+  replicas share theirs; expert-parallel devices are data-parallel for everything but their
+  experts). A batch size not divisible by the product is split over ``data`` and ``fsdp``
+  alone, and one not divisible by that falls back to replication.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np

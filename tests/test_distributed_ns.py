@@ -140,10 +140,12 @@ def _problem(draw):
     m, n = draw(st.sampled_from(_SIDES)), draw(st.sampled_from(_SIDES))
     count = draw(st.sampled_from([1, 1, 3, 16]))
     shape = (count, m, n) if count > 1 else (m, n)
+    stack = draw(st.sampled_from([None, names[0]])) if count == 16 else None  # experts on their own axis
     entries = [draw(st.sampled_from([None] + names)) for _ in range(2)]
+    entries = [None if e == stack else e for e in entries]
     if entries[0] is not None and entries[0] == entries[1]:
       entries[1] = None
-    spec = ((None,) if count > 1 else ()) + tuple(entries)
+    spec = ((stack,) if count > 1 else ()) + tuple(entries)
     batch = (0,) if count > 1 else ()
     axes = (batch, tuple(a + len(batch) for a in (0,)), tuple(a + len(batch) for a in (1,)))
     dtype = draw(st.sampled_from([("float32", 4), ("bfloat16", 2)]))
@@ -162,13 +164,14 @@ def test_planner_places_every_matrix_once_within_the_grouped_traffic(problem):
     used: dict[int, list] = {}
     for (i, k), d, o in zip(cls.matrices, cls.device, cls.offset):
       m, n = leaves[i].mn
-      assert leaves[i].key == (cls.rows, cls.cols, leaves[i].dtype) and 0 <= d < devices
+      assert leaves[i].key == (cls.rows, cls.cols, leaves[i].dtype, cls.stack) and 0 <= d < devices
+      assert plan.home(cls, d) == d  # pinned: placed in the slice B = 0
       used.setdefault(d, []).append((o, o + m * n // cls.s))
       seen.add((i, k))
     for spans in used.values():  # blocks of one device side by side in its buffer row
       spans.sort()
       assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= cls.width
-  assert seen == {(i, k) for i, lf in enumerate(leaves) for k in range(lf.count)}
+  assert seen == {(i, k) for i, lf in enumerate(leaves) for k in range(lf.local_count)}
   fig = planner.figures(leaves, mesh, flops)
   total = sum(flops(*lf.mn) * lf.count for lf in leaves)
   assert sum(plan.device_flops) == pytest.approx(total)
@@ -198,8 +201,10 @@ def test_planner_figures_of_the_mla_sets():
 
 def test_unknown_and_non_block_layouts_are_gathered_first():
   mesh = {"data": 2, "model": 4}
-  stack_axis = planner.describe((4, 32, 64), ((0,), (1,), (2,)), ("model", None, None), mesh, "float32", 4)
-  assert (stack_axis.rows, stack_axis.cols, stack_axis.spec, stack_axis.gathered) == ((), (), (), 4)
+  uneven = planner.describe((3, 32, 64), ((0,), (1,), (2,)), ("model", None, None), mesh, "float32", 4)
+  assert (uneven.rows, uneven.cols, uneven.spec, uneven.gathered) == ((), (), (), 4)
+  experts = planner.describe((4, 32, 64), ((0,), (1,), (2,)), ("model", None, "data"), mesh, "float32", 4)
+  assert (experts.cols, experts.stack, experts.local_count, experts.gathered) == (("data",), ("model",), 1, 1)
   unknown = planner.describe((32, 64), ((), (0,), (1,)), None, mesh, "float32", 4)
   assert unknown.spec == () and unknown.gathered == 1
   tall = planner.describe((64, 32), ((), (0,), (1,)), ("model", "data"), mesh, "float32", 4)
@@ -267,7 +272,9 @@ def test_hlo_collective_parser_reads_every_replica_group_spelling():
   for groups, expected in (("[2,4]<=[8]", ((0, 1, 2, 3), (4, 5, 6, 7))),
                            ("mesh['data'=2,'model'=4] {'model'}", ((0, 1, 2, 3), (4, 5, 6, 7))),
                            ("mesh['data'=2,'fsdp'=2,'model'=2] {'data','model'}", ((0, 1, 4, 5), (2, 3, 6, 7))),
-                           ("[1,8]<=[8]", (tuple(range(8)),))):
+                           ("[1,8]<=[8]", (tuple(range(8)),)),
+                           ("mesh['axis_0'=1,'axis_1'=2,'axis_2'=1,'axis_3'=4], device_ids=([2,2,2]T(1,0,2)) {'axis_1'}",
+                            ((0, 2), (1, 3), (4, 6), (5, 7)))):  # (JAX 0.10, a mesh whose devices are permuted)
     line = f"%ar = bf16[8,8]{{1,0}} all-reduce(%x), replica_groups={groups}, to_apply=%add"
     (c,) = hlo_collectives.collectives(line, 8)
     assert c.groups == expected and c.nbytes == 128, (groups, c.groups)

@@ -121,13 +121,18 @@ def orthogonalize_leaves(gs: list, ms: list, specs: list, direction: Callable, f
     keys.append((min(r, c), max(r, c), jnp.result_type(g)) if wide else (r, c, jnp.result_type(g)))
     counts.append(math.prod(g.shape[a] for a in b))
     tall.append(r > c)
+  # The default never slices a stack: a leaf of several matrices is one unit (a batched call
+  # over the whole stack), grouped only with leaves of its own stack shape.
+  whole = [batch is None and len(specs[i][0]) > 0 and counts[i] > 1 for i in range(len(gs))]
+  units = [1 if w else c for w, c in zip(whole, counts)]
+  keys = [k + ((counts[i],) if whole[i] else ()) for i, k in enumerate(keys)]
 
   def ns(x):
     return newton_schulz(x, **ns_kwargs)
 
   result = [None] * len(gs)
   prev: list = []
-  for chunk in plan_calls(keys, counts, batch):
+  for chunk in plan_calls(keys, units, batch):
     raw = [(gs[i], ms[i]) for i in chunk]
     done = [result[i] for i in prev]
     looped = batch is None and len(chunk) > 1
@@ -138,9 +143,9 @@ def orthogonalize_leaves(gs: list, ms: list, specs: list, direction: Callable, f
     if not looped:
       x = sources[0]() if len(chunk) == 1 else jnp.concatenate([f() for f in sources], axis=0)
       k = batch if batch is not None else per_call(x.shape[1], x.shape[2], x.shape[0], ns_kwargs)
-      out = ns(x) if x.shape[0] <= k else jax.lax.map(ns, x, batch_size=k)
+      out = ns(x) if x.shape[0] <= k or whole[chunk[0]] else jax.lax.map(ns, x, batch_size=k)
     else:
-      out = _loop(sources, [counts[i] for i in chunk], ns, ns_kwargs, done)
+      out = _loop(sources, [counts[i] for i in chunk], ns, ns_kwargs, done, whole=whole[chunk[0]])
     start = 0
     for i in chunk:
       result[i] = finish(i, from_matrices(out[start:start + counts[i]], gs[i].shape, *specs[i],
@@ -150,7 +155,8 @@ def orthogonalize_leaves(gs: list, ms: list, specs: list, direction: Callable, f
   return result
 
 
-def _loop(sources: list[Callable], counts: list[int], ns: Callable, ns_kwargs: dict, done: list) -> jax.Array:
+def _loop(sources: list[Callable], counts: list[int], ns: Callable, ns_kwargs: dict, done: list, *,
+          whole: bool = False) -> jax.Array:
   """``ns`` of the matrices of several leaves, ``(total, m, n)``, by one loop with one body.
 
   Iteration ``j`` picks its matrices with ``lax.switch`` over branches that each compute
@@ -158,18 +164,21 @@ def _loop(sources: list[Callable], counts: list[int], ns: Callable, ns_kwargs: d
   only its own matrices): no stacked copy of the inputs is made. The results are the scan's
   stacked output. The loop waits for ``done`` (the previous call's results) through its
   indices: the inputs are read inside the loop only, so one tie per loop does what
-  ``after`` does per leaf elsewhere.
+  ``after`` does per leaf elsewhere. ``whole``: each iteration takes one whole leaf (stacks of
+  one shape), never a matrix sliced out of a stack, so that a stack's sharding stays.
   """
-  where = [(f, k) for f, c in zip(sources, counts) for k in range(c)]
+  where = [(f, slice(None)) for f in sources] if whole else [(f, k) for f, c in zip(sources, counts) for k in range(c)]
   first = jax.eval_shape(sources[0])
-  shape, dtype = first.shape[1:], first.dtype
-  k = per_call(shape[0], shape[1], len(where), ns_kwargs)
+  shape, dtype = (first.shape if whole else first.shape[1:]), first.dtype
+  k = 1 if whole else per_call(shape[0], shape[1], len(where), ns_kwargs)
   steps = -(-len(where) // k)
 
   def branch(j):
     picks = where[j * k:(j + 1) * k]
 
     def pick():
+      if whole:
+        return picks[0][0]()
       xs = [f()[c] for f, c in picks]
       xs += [jnp.zeros(shape, dtype)] * (k - len(xs))  # the last iteration's padding (Newton–Schulz of 0 is 0)
       return jnp.stack(xs)
@@ -183,4 +192,6 @@ def _loop(sources: list[Callable], counts: list[int], ns: Callable, ns_kwargs: d
 
   index = jnp.arange(steps)
   _, out = jax.lax.scan(body, None, after(index, done) if done else index)
+  if whole:
+    return out.reshape((-1,) + shape[1:])
   return out.reshape((steps * k,) + shape)[:len(where)]

@@ -156,7 +156,7 @@ def _executor(leaves: list[planner.Leaf], hplan: hybrid.HybridPlan, mesh: Mesh, 
     """Device ``d``'s program: its matrices of every class, orthogonalized."""
     stacks = collections.defaultdict(list)
     for ci, cls in enumerate(plan.classes):
-      for t in by_device[ci].get(d, []):
+      for t in by_device[ci].get(plan.home(cls, d), []):
         lf, m, n, bm, bn = geometry(cls, t)
         o = cls.offset[t]
         x = recvs[ci][:, o:o + bm * bn].reshape(cls.n_row, cls.n_col, bm, bn)
@@ -169,7 +169,7 @@ def _executor(leaves: list[planner.Leaf], hplan: hybrid.HybridPlan, mesh: Mesh, 
     outs = []
     for ci, cls in enumerate(plan.classes):
       pieces = []
-      for t in by_device[ci].get(d, []):
+      for t in by_device[ci].get(plan.home(cls, d), []):
         _, _, _, bm, bn = geometry(cls, t)
         y = results[(ci, t)].astype(recvs[ci].dtype).reshape(cls.n_row, bm, cls.n_col, bn)
         pieces.append(y.transpose(0, 2, 1, 3).reshape(cls.s, bm * bn))
@@ -199,7 +199,7 @@ def _executor(leaves: list[planner.Leaf], hplan: hybrid.HybridPlan, mesh: Mesh, 
         r, j = planner.device_coords(plan, cls, d, shape)
         got[i][k] = every[r, j, o:o + bm * bn].reshape(bm, bn)
       for i in cls.leaves:
-        w = jnp.stack([got[i][k] for k in range(leaves[i].count)])
+        w = jnp.stack([got[i][k] for k in range(leaves[i].local_count)])
         out[i] = _from_wide(leaves[i], w, local[i].shape)
     for sp in hplan.splits:
       got = _run_split(sp, wides, split_iter(sp.m, sp.n), mesh)

@@ -124,7 +124,7 @@ def _subsets(axes: Sequence[str]):
 def _split(key: tuple, m: int, n: int, mats: list, mesh: Mapping[str, int], itemsize: int, cost: SplitCost,
            device: Device) -> Split | None:
   """The group's split with the least estimated time, or None if it cannot be split."""
-  rows, cols, _ = key
+  rows, cols = key[0], key[1]
   rep = tuple(a for a in mesh if mesh[a] > 1 and a not in rows + cols)
   n_row, n_col = math.prod(mesh[a] for a in rows), math.prod(mesh[a] for a in cols)
   best = None
@@ -161,11 +161,11 @@ def plan(leaves: Sequence[planner.Leaf], mesh: Mapping[str, int], flops: planner
   whole = HybridPlan(planner.plan(leaves, mesh, flops), ())
   if split_cost is None or split == "never":
     return whole
-  groups: dict[tuple, list] = {}
+  groups: dict[tuple, list] = {}  # pinned stacks (sharded stack axes) stay whole: never split
   for i, lf in enumerate(leaves):
-    if lf.count:
+    if lf.count and not lf.stack:
       groups.setdefault((lf.key, *lf.mn), []).extend((i, k) for k in range(lf.count))
-  total = sum(float(flops(m, n)) * len(ms) for (_, m, n), ms in groups.items())
+  total = sum(float(flops(*lf.mn)) * lf.count for lf in leaves)
   devices = whole.devices
   ideal = total / devices
   options, seen = [whole], set()

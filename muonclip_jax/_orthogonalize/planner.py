@@ -27,6 +27,17 @@ from the ``s`` devices of its own ``R``-slice, so placement is free:
   its inverse ``all_to_all`` over ``S``, ``2 (s - 1) C``, plus the ``all_gather`` of the
   results over ``R``, ``(n_rep - 1) s C`` elements received.
 
+Expert parallelism. A leaf whose stack (batch) axes are sharded, over mesh axes ``B`` (an
+expert stack ``(E, in, out)`` on an ``expert`` axis), is never gathered: each ``B``-slice of
+the mesh holds ``E / |B|`` whole experts (or their blocks, when ``S`` also shards them, e.g.
+FSDP), and only the devices of that slice take part in their exchange (``R`` excludes
+``B``). Its class is *pinned*: the ``c`` local matrices (the local stack's, by local index)
+are placed once over the devices of the slice at ``B = 0`` and every other slice repeats that
+placement on its own experts, so each device of a slice orthogonalizes the same local
+positions, and the packing programs do not depend on ``B`` (``_orthogonalize.placement``).
+The plan tries the pinned matrices first, as fixed load with the others placed around it,
+and all matrices largest first, and keeps the better.
+
 The grouping's traffic is that of the width ``C = sum_g ceil(c_g / D) m_g n_g / s`` per
 class (``c_g`` matrices of shape ``g`` in it: each group zero-padded to a multiple of ``D``);
 the grouping meets it by construction, so the plan's communication never exceeds it.
@@ -35,10 +46,11 @@ the grouping meets it by construction, so the plan's communication never exceeds
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from . import placement as placing
 
 Entry = str | tuple[str, ...] | None
 Flops = Callable[[int, int], float]
@@ -65,10 +77,17 @@ class Leaf:
   cols: tuple[str, ...]  # ... and its columns
   spec: tuple[Entry, ...]  # the in/out spec of the exchange (() replicated: gathered first)
   gathered: int  # shards of the leaf gathered before the exchange (1: none)
+  stack: tuple[str, ...] = ()  # mesh axes sharding the stack (batch) axes: pinned to their slice
+  stack_shards: int = 1  # their product
 
   @property
   def count(self) -> int:
     return math.prod(self.shape[a] for a in self.batch)
+
+  @property
+  def local_count(self) -> int:
+    """Matrices of one device's local stack (``count`` unless the stack axes are sharded)."""
+    return self.count // self.stack_shards
 
   @property
   def tall(self) -> bool:
@@ -82,8 +101,8 @@ class Leaf:
 
   @property
   def key(self) -> tuple:
-    """The class: layout and dtype."""
-    return self.rows, self.cols, self.dtype
+    """The class: layout, dtype and the stack's mesh axes."""
+    return self.rows, self.cols, self.dtype, self.stack
 
 
 def _dim_axes(spec: Sequence[Entry], ndim: int, mesh: Mapping[str, int]) -> list[tuple[str, ...]]:
@@ -95,9 +114,10 @@ def describe(shape: Sequence[int], axes: tuple, spec: Sequence[Entry] | None, me
              dtype: str, itemsize: int) -> Leaf:
   """A leaf of ``shape`` with ``(batch, fan_in, fan_out)`` axes and sharding ``spec``.
 
-  ``spec`` None (unknown) or a layout the exchange cannot express (a sharded stack axis,
-  a sharded minor axis of a multi-axis fan-in/fan-out, a size not divisible by its shards)
-  gives a replicated leaf: XLA gathers it before the exchange.
+  ``spec`` None (unknown) or a layout the exchange cannot express (a sharded minor axis of a
+  multi-axis fan-in/fan-out, a size not divisible by its shards) gives a replicated leaf:
+  XLA gathers it before the exchange. Sharded stack axes pin the leaf's matrices to their
+  mesh slice (module docstring).
   """
   shape = tuple(int(d) for d in shape)
   batch, fan_in, fan_out = (tuple(a) for a in axes)
@@ -108,12 +128,14 @@ def describe(shape: Sequence[int], axes: tuple, spec: Sequence[Entry] | None, me
   dims = _dim_axes(spec, len(shape), mesh)
   shards = math.prod(mesh[a] for ax in dims for a in ax)
   fallback = dataclasses.replace(fallback, gathered=shards)
-  if any(dims[a] for a in batch) or any(dims[a] for a in fan_in[1:] + fan_out[1:]):
+  if any(dims[a] for a in fan_in[1:] + fan_out[1:]):
     return fallback
   if any(d % math.prod(mesh[a] for a in ax) for d, ax in zip(shape, dims)):
     return fallback
   rows, cols = dims[fan_in[0]], dims[fan_out[0]]
-  leaf = Leaf(**base, rows=rows, cols=cols, spec=tuple(spec), gathered=1)
+  stack = tuple(a for a in mesh if any(a in dims[b] for b in batch))
+  leaf = Leaf(**base, rows=rows, cols=cols, spec=tuple(spec), gathered=1, stack=stack,
+              stack_shards=math.prod(mesh[a] for a in stack))
   return dataclasses.replace(leaf, rows=cols, cols=rows) if leaf.tall else leaf
 
 
@@ -123,16 +145,17 @@ class Class:
 
   rows: tuple[str, ...]
   cols: tuple[str, ...]
-  rep: tuple[str, ...]  # the replicating mesh axes R
+  rep: tuple[str, ...]  # the replicating mesh axes R (never the stack's B)
   n_row: int
   n_col: int
   n_rep: int
   itemsize: int
   leaves: tuple[int, ...]  # leaf indices, in order; their matrices in order form the class
-  matrices: tuple[tuple[int, int], ...]  # (leaf, index in its stack)
-  device: tuple[int, ...]  # per matrix: the device that orthogonalizes it
+  matrices: tuple[tuple[int, int], ...]  # (leaf, index in its (local) stack)
+  device: tuple[int, ...]  # per matrix: the device that orthogonalizes it (pinned: in the slice B = 0)
   offset: tuple[int, ...]  # per matrix: its first element in that device's buffer row
   width: int  # C: block elements per buffer row (the largest device's, padded)
+  stack: tuple[str, ...] = ()  # B: the mesh axes sharding the stack (pinned class), or ()
 
   @property
   def sharded(self) -> tuple[str, ...]:
@@ -168,6 +191,10 @@ class Plan:
       out[a], rest = rest % size, rest // size
     return out
 
+  def home(self, cls: Class, d: int) -> int:
+    """The device of the slice ``B = 0`` whose placement device ``d`` repeats (``d`` if unpinned)."""
+    return placing.home(self.axes, self.sizes, cls.stack, d)
+
   @property
   def comm(self) -> int:
     """Bytes one device receives (every device the same: buffers are padded alike)."""
@@ -193,7 +220,7 @@ def _matrices(leaves: Sequence[Leaf], flops: Flops, skip: frozenset = frozenset(
       continue
     m, n = lf.mn
     f = float(flops(m, n))
-    out.setdefault(lf.key, []).extend((f, (i, k), (m, n)) for k in range(lf.count))
+    out.setdefault(lf.key, []).extend((f, (i, k), (m, n)) for k in range(lf.local_count))
   return out
 
 
@@ -202,65 +229,19 @@ def _size(axes: Sequence[str], mesh: Mapping[str, int]) -> int:
 
 
 def grouped_counts(leaves: Sequence[Leaf], skip: frozenset = frozenset()) -> dict[tuple, int]:
-  """The shape-by-shape grouping's groups: ``{(class key, m, n): number of matrices}``."""
+  """The shape-by-shape grouping's groups: ``{(class key, m, n): number of (local) matrices}``."""
   out: dict[tuple, int] = {}
   for lf in leaves:
     if not lf.count or (lf.key, *lf.mn) in skip:
       continue
     key = (lf.key, *lf.mn)
-    out[key] = out.get(key, 0) + lf.count
+    out[key] = out.get(key, 0) + lf.local_count
   return out
 
 
-def _lpt(mats: dict, caps: dict, devices: int, blocks: dict) -> dict | None:
-  """LPT by FLOPs with a byte cap per device and class; None if a matrix fits nowhere."""
-  order = sorted(((f, key, idx, shape) for key, ms in mats.items() for idx, (f, _, shape) in enumerate(ms)),
-                 key=lambda t: -t[0])
-  load = [0.0] * devices
-  used = {key: [0] * devices for key in mats}
-  where = {key: [0] * len(ms) for key, ms in mats.items()}
-  heap = [(0.0, d) for d in range(devices)]
-  for f, key, idx, shape in order:
-    b = blocks[key][shape]
-    skipped = []
-    while heap:
-      ld, d = heapq.heappop(heap)
-      if used[key][d] + b <= caps[key]:
-        break
-      skipped.append((ld, d))
-    else:
-      return None
-    for item in skipped:
-      heapq.heappush(heap, item)
-    where[key][idx] = d
-    used[key][d] += b
-    load[d] += f
-    heapq.heappush(heap, (load[d], d))
-  return where
-
-
-def _grouped(mats: dict, devices: int) -> dict:
-  """The shape-by-shape placement: per shape, at most ``ceil(c / D)`` matrices per device and class."""
-  where = {key: [0] * len(ms) for key, ms in mats.items()}
-  by_shape: dict[tuple, dict[tuple, list]] = {}
-  for key, ms in mats.items():
-    for idx, (_, _, shape) in enumerate(ms):
-      by_shape.setdefault((shape, key[2]), {}).setdefault(key, []).append(idx)
-  for per_class in by_shape.values():
-    load = [0] * devices  # matrices of this shape per device, over its classes
-    for key, idxs in per_class.items():
-      q = -(-len(idxs) // devices)
-      used = [0] * devices
-      heap = [(load[d], d) for d in range(devices)]
-      heapq.heapify(heap)
-      for idx in idxs:
-        _, d = heapq.heappop(heap)
-        where[key][idx] = d
-        used[d] += 1
-        load[d] += 1
-        if used[d] < q:
-          heapq.heappush(heap, (load[d], d))
-  return where
+def _slice_devices(key: tuple, mesh: Mapping[str, int]) -> int:
+  """Devices a class's matrices may go to: the whole mesh, or one slice of a pinned class."""
+  return math.prod(mesh.values()) // _size(key[3], mesh)
 
 
 def plan(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops, *, placement: str = "best",
@@ -273,7 +254,8 @@ def plan(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops, *, place
     flops: FLOPs of orthogonalizing one ``m x n`` matrix (``m <= n``).
     placement: ``"best"``: the fewest FLOPs on the most loaded device among ``"grouped"``
       and LPT with the byte cap per class at 1, 1.25 and infinitely many times the
-      grouping's, keeping only those whose total traffic does not exceed the grouping's;
+      grouping's (with pinned matrices: each placed first, as fixed load, and all largest
+      first), keeping only those whose total traffic does not exceed the grouping's;
       ``"lpt"``: LPT without any cap (the whole-matrix bound); ``"grouped"``: the
       shape-by-shape placement (at most ``ceil(c / D)`` matrices of a shape per device),
       without zero-matrix padding.
@@ -283,24 +265,26 @@ def plan(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops, *, place
   sizes = tuple(mesh[a] for a in axes)
   devices = math.prod(sizes)
   mats = _matrices(leaves, flops, skip)
-  rep_of = {key: tuple(a for a in axes if a not in key[0] + key[1]) for key in mats}
+  rep_of = {key: tuple(a for a in axes if a not in key[0] + key[1] + key[3]) for key in mats}
   s_of = {key: _size(key[0] + key[1], mesh) for key in mats}
+  homes = {key: placing.images(axes, sizes, key[3]) if key[3] else None for key in mats}
   blocks = {key: {shape: shape[0] * shape[1] // s_of[key] for _, _, shape in ms} for key, ms in mats.items()}
   caps: dict[tuple, int] = {key: 0 for key in mats}
   for (key, m, n), c in grouped_counts(leaves, skip).items():
-    caps[key] += -(-c // devices) * blocks[key][(m, n)]
+    caps[key] += -(-c // _slice_devices(key, mesh)) * blocks[key][(m, n)]
 
   def loads(where):
     out = [0.0] * devices
     for key, ms in mats.items():
       for (f, _, _), d in zip(ms, where[key]):
-        out[d] += f
+        for e in (d,) if homes[key] is None else homes[key][d]:
+          out[e] += f
     return out
 
   def classes(where, widths=None):
     out = []
     for key, ms in mats.items():
-      rows, cols, _ = key
+      rows, cols = key[0], key[1]
       filled = [0] * devices
       offset = []
       for (_, _, shape), d in zip(ms, where[key]):
@@ -310,11 +294,11 @@ def plan(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops, *, place
       out.append(Class(rows=rows, cols=cols, rep=rep_of[key], n_row=_size(rows, mesh), n_col=_size(cols, mesh),
                        n_rep=_size(rep_of[key], mesh), itemsize=leaves[members[0]].itemsize, leaves=members,
                        matrices=tuple(ij for _, ij, _ in ms), device=tuple(where[key]), offset=tuple(offset),
-                       width=max(filled) if widths is None else widths[key]))
+                       width=max(filled) if widths is None else widths[key], stack=key[3]))
     return tuple(out)
 
   gather = sum(int(math.prod(lf.shape) * lf.itemsize * (lf.gathered - 1) / lf.gathered) for lf in leaves)
-  grouped = _grouped(mats, devices)
+  grouped = placing.grouped(mats, devices, homes)
   grouped_bytes = gather + sum(c.comm() for c in classes(grouped, caps))
 
   def build(where):
@@ -324,14 +308,17 @@ def plan(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops, *, place
   if placement == "grouped":
     return build(grouped)
   if placement == "lpt":
-    return build(_lpt(mats, {k: math.inf for k in mats}, devices, blocks))
+    orders = (True, False) if any(homes.values()) else (True,)
+    return min((build(placing.lpt(mats, {k: math.inf for k in mats}, devices, blocks, homes, o)) for o in orders),
+               key=lambda p: p.max_flops)
   if placement != "best":
     raise ValueError(f"placement must be 'best', 'lpt' or 'grouped', got {placement!r}")
   options = [build(grouped)]
   for scale in (1, 1.25, math.inf):  # the cap per class, then only the total traffic bounded
-    where = _lpt(mats, {k: c * scale for k, c in caps.items()}, devices, blocks)
-    if where is not None:
-      options.append(build(where))
+    for pinned_first in (True, False) if any(homes.values()) else (True,):
+      where = placing.lpt(mats, {k: c * scale for k, c in caps.items()}, devices, blocks, homes, pinned_first)
+      if where is not None:
+        options.append(build(where))
   return min((p for p in options if p.comm <= grouped_bytes), key=lambda p: (p.max_flops, p.comm))
 
 
@@ -365,13 +352,16 @@ def figures(leaves: Sequence[Leaf], mesh: Mapping[str, int], flops: Flops) -> di
   new = plan(leaves, mesh, flops)
   total = float(sum(new.device_flops))
   lpt = plan(leaves, mesh, flops, placement="lpt")
-  group_flops = sum(-(-c // devices) * float(flops(m, n)) for (_, m, n), c in grouped_counts(leaves).items())
+  group_flops = sum(-(-c // _slice_devices(key, mesh)) * float(flops(m, n))
+                    for (key, m, n), c in grouped_counts(leaves).items())
   group_comm = new.grouped_comm
-  repeated = sum(int(math.prod(lf.shape) * lf.itemsize * (1 - 1 / max(lf.gathered, _size(lf.rows + lf.cols, mesh))))
-                 for lf in leaves)
+  # Moonlight's: every device gathers every matrix it holds a block of (pinned: its slice's)
+  repeated = sum(int(math.prod(lf.shape) / lf.stack_shards * lf.itemsize
+                     * (1 - 1 / max(lf.gathered, _size(lf.rows + lf.cols, mesh)))) for lf in leaves)
+  repeated_flops = sum(float(flops(*lf.mn)) * lf.local_count for lf in leaves)
   return {
       "new": Figures(new.max_flops, new.comm, total),
       "lpt": Figures(lpt.max_flops, lpt.comm, total),
       "grouped": Figures(group_flops, group_comm, total),
-      "repeated": Figures(total, repeated, total),
+      "repeated": Figures(repeated_flops, repeated, total),
   }
