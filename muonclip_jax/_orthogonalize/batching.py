@@ -19,6 +19,11 @@ per matrix:
   fixed overhead (measured on an H200: about 0.1 ms, ``benchmarks/RESULTS.md``), so a call
   takes as many matrices as make ``CALL_FLOPS`` (``ns_flops``), about a millisecond of an
   H100's dense bf16 peak (``_orthogonalize.cost.H100_NVLINK``): the overhead stays near a tenth.
+* **stacks:** a leaf of several matrices (scanned layers, experts) is never sliced: it is one
+  batched call over its whole stack, and stacks of one shape share a loop whose iteration is
+  one whole stack. XLA then partitions a stack along its sharded stack axis (an expert axis):
+  each device orthogonalizes the matrices it holds, and no stack is gathered. The price is
+  the Newton–Schulz temporaries of a whole stack (per device, its shard), not one matrix's.
 * **matrix size** enters only there. A loop reads its matrices in place (``lax.switch`` on
   the iteration picks them), so stacking copies nothing on the way in; on the way out the
   loop's stacked result is sliced into the leaves, one pass over each matrix against
