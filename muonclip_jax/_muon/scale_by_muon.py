@@ -107,7 +107,11 @@ def scale_by_muon(
   matrices as make ``2^40`` Newton–Schulz FLOPs (about a millisecond of an H100), so that
   the loop's overhead per iteration stays small. The loops read the leaves in place (no stacked copy of the inputs)
   and run one after another; their stacked results are the default's extra temporary
-  memory, at most one copy of the stacked matrices' updates. ``ns_batch`` overrides the rule;
+  memory, at most one copy of the stacked matrices' updates. A stacked leaf (scanned layers,
+  an expert stack) is never sliced by the default: it is one batched call, and same-shaped
+  stacks share a loop whose step is one whole stack, so a stack sharded on its stack axis is
+  orthogonalized where it lives (its temporaries are the whole stack's, per device its
+  shard). ``ns_batch`` overrides the rule;
   ``ns_batch=1`` orthogonalizes one matrix at a time, each call waiting for the previous
   one (temporaries of one matrix, the longest
   compile). Measured in ``benchmarks/RESULTS.md``.
