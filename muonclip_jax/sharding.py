@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._util import check_bool, key_name, path_str, strip_value
+from ._util import check_bool, EXPERT_NAMES, key_name, path_str, strip_value
 from ._orthogonalize import entry_axes, mesh_of
 from ._orthogonalize import orthogonalize_sharded as orthogonalize_sharded
 from ._clip import check_opt_state
@@ -53,9 +53,9 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("heads", "model"),  # attention heads (head-major columns of wq/wq_b/wkv_b, rows of wo)
     ("kv_heads", "model"),  # GQA key/value heads
     ("mlp", "model"),  # MLP hidden units
-    ("exp", "expert"),  # MaxText's expert axis of its expert stacks (E, [layers,] in, out)
-    ("expert", "expert"),  # the same, other spellings: expert parallelism, each device holds whole experts
-    ("experts", "expert"),
+    # the expert axis of expert stacks (E, [layers,] in, out), every spelling of the one list of logical names
+    # (MaxText's "exp", "expert", "experts", ...): expert parallelism, each device holds whole experts
+    *((name, "expert") for name in sorted(EXPERT_NAMES)),
     ("embed", "fsdp"),  # the model width: FSDP shards every large matrix along it
     ("embed_no_exp", "fsdp"),  # MaxText's width axis of its expert kernels
     ("q_lora", "fsdp"),  # MLA query latent (wq_a columns, wq_b rows)
@@ -65,11 +65,9 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("length", None),  # sequence
 )
 
-
-# The expert axis names: a dimension so named must be split by its mesh axis when the mesh
-# has it (expert parallelism keeps whole experts on each device; replicating every expert on
-# every device instead is refused, not done silently).
-EXPERT_NAMES = frozenset({"exp", "expert", "experts"})
+# A dimension named for experts (EXPERT_NAMES) must be split by its mesh axis when the mesh has
+# it (expert parallelism keeps whole experts on each device; replicating every expert on every
+# device instead is refused, not done silently).
 
 # ----------------------------------------------------------------------------- rules
 
