@@ -18,7 +18,7 @@ the number of clipped heads to ``<out>/<optimizer>/metrics.jsonl``; at the end i
 ``<out>/report.png`` and prints a summary table.
 
   python examples/train_mla_lm.py [--steps N] [--optimizers adamw,muon,muonclip]
-      [--tau T] [--seed S] [--mesh DATA,EXPERT,MODEL] [--out runs/demo]
+      [--tau T] [--seed S] [--experts E] [--bias-speed G] [--mesh DATA,EXPERT,MODEL] [--out runs/demo]
 
 ``--mesh DATA,EXPERT,MODEL`` runs it on that device mesh (fake CPU devices if needed):
 expert parallel over ``EXPERT`` (each device holds whole experts), tensor parallel over
@@ -61,6 +61,8 @@ def parse_args(argv):
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--seq", type=int, default=128)
   p.add_argument("--eval-every", type=int, default=25)
+  p.add_argument("--experts", type=int, default=8,
+                 help="routed experts per layer (top-2 and a shared expert); 0: a dense SwiGLU MLP instead")
   p.add_argument("--bias-speed", type=float, default=BIAS_SPEED,
                  help="routing-bias update speed (DeepSeek-V3's gamma, aux-loss-free balancing); 0 turns it off")
   args = p.parse_args(argv)
@@ -73,6 +75,8 @@ def parse_args(argv):
     raise UsageError(f"--tau must be > 0, got {args.tau}")
   if not (args.bias_speed >= 0) or math.isinf(args.bias_speed):
     raise UsageError(f"--bias-speed must be a finite number >= 0, got {args.bias_speed}")
+  if args.experts < 0 or args.experts == 1:
+    raise UsageError(f"--experts must be 0 (dense MLP) or >= 2 (top-2 routing), got {args.experts}")
   if args.steps < 1:
     raise UsageError(f"--steps must be >= 1, got {args.steps}")
   if args.mesh is not None:
@@ -174,7 +178,7 @@ def use_devices(mesh: tuple[int, int, int]) -> None:
 def demo_config(experts: int = 8, **changes):
   from mla_lm import LMConfig
 
-  moe = dict(num_experts=experts, top_k=2, expert_dim=64) if experts else {}
+  moe = dict(num_experts=experts, top_k=2, expert_dim=48) if experts else {}
   return LMConfig(dim=128, num_layers=2, num_heads=4, q_lora_rank=64, kv_lora_rank=32,
                   qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, mlp_dim=384, **moe, **changes)
 
@@ -355,7 +359,7 @@ def run(args) -> int:
   from mla_lm import init_params, logical_matrix_axes, make_loss_fn
   from muonclip_jax import training
 
-  cfg = demo_config()
+  cfg = demo_config(args.experts)
   batches, val_batch, info = make_data(args.seed, args.seed, args.steps, args.batch, args.seq)
   print(f"data: {info}; device: {jax.devices()[0].device_kind} x {jax.device_count()}")
   params0 = init_params(cfg, args.seed)
