@@ -160,7 +160,8 @@ class Router(nn.Module):
     kernel = self.param("kernel", _kernel("embed", None), (h.shape[-1], e))
     bias = self.param("e_score_correction_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (e,))
     scores = jax.nn.sigmoid(h.astype(jnp.float32) @ kernel)
-    _, chosen = jax.lax.top_k(scores + jax.lax.stop_gradient(bias), self.cfg.top_k)
+    biased = scores + jax.lax.stop_gradient(bias)[(None,) * (scores.ndim - 1)]  # for the choice only
+    _, chosen = jax.lax.top_k(biased, self.cfg.top_k)
     return scores, jax.nn.one_hot(chosen, e, dtype=scores.dtype).sum(-2)
 
 

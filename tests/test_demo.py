@@ -154,7 +154,7 @@ def test_the_routing_bias_moves_by_the_balancing_rule_only(name):
   cfg = _tiny_moe()
   params = init_params(cfg, 0)
   bias = params["layers"]["moe"]["gate"]["e_score_correction_bias"]
-  params["layers"]["moe"]["gate"]["e_score_correction_bias"] = bias + jnp.array([0.5, -0.3, 0.2, 0.0])
+  params["layers"]["moe"]["gate"]["e_score_correction_bias"] = bias + jnp.array([[0.5, -0.3, 0.2, 0.0]])
   opt = (train_mla_lm.adamw_keeping_frozen(1e-2, params) if name == "adamw"
          else mc.muon_adamw(1e-2, weight_decay=0.1, matrix_axes=logical_matrix_axes(cfg)))
   step = jax.jit(train_mla_lm.with_balancing(training.make_train_step(make_loss_fn(cfg), opt), 0.25))
