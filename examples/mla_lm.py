@@ -203,7 +203,8 @@ class MoE(nn.Module):
     scores, mask = Router(cfg, name="gate")(h)
     gates = mask * scores
     gates = cfg.route_scale * gates / gates.sum(-1, keepdims=True)
-    stack = lambda name, names, shape: self.param(name, _kernel(*names), shape)  # noqa: E731
+    init = nn.initializers.lecun_normal(batch_axis=(0,))  # fan-in of one expert's matrix, not E times it
+    stack = lambda name, names, shape: self.param(name, nn.with_logical_partitioning(init, names), shape)  # noqa: E731
     wi_0 = stack("wi_0", ("exp", "embed", "mlp"), (e, d, f))
     wi_1 = stack("wi_1", ("exp", "embed", "mlp"), (e, d, f))
     wo = stack("wo", ("exp", "mlp", "embed"), (e, f, d))
