@@ -29,7 +29,7 @@ and a reading of them) and the pictures ``study_loss.png``, ``study_heatmap.png`
 ``study_clipped.png``; ``--docs DIR`` copies study.md and the pictures there.
 
   python examples/stability_study.py [--steps 200] [--seeds 3] [--taus 25,15,35]
-      [--mesh DATA,MODEL] [--out runs/study] [--docs DIR]
+      [--mesh DATA,[EXPERT,]MODEL] [--out runs/study] [--docs DIR]
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ def parse_args(argv):
   p.add_argument("--steps", type=int, default=200, help="training steps per run")
   p.add_argument("--seeds", type=int, default=3, help="number of seeds (0, 1, ...) per arm")
   p.add_argument("--taus", default="25,15,35", help="QK-Clip thresholds: the arms use the first, the ablation all")
-  p.add_argument("--mesh", default=None, help="DATA,MODEL device mesh, e.g. 2,4 (fake CPU devices if needed)")
+  p.add_argument("--mesh", default=None,
+                 help="DATA,MODEL (or DATA,EXPERT,MODEL) device mesh, e.g. 2,4 (fake CPU devices if needed)")
   p.add_argument("--out", default="runs/study", help="output directory")
   p.add_argument("--docs", default=None, help="also copy study.md and the pictures to this directory")
   p.add_argument("--report-only", action="store_true", help="rebuild study.md and the pictures from --out's runs")
@@ -200,8 +201,8 @@ def update_rms_spread(cfg, steps: int):
 
 def model_config(arm: Arm):
   if arm.model == "mla":
-    return demo.demo_config()
-  return demo.demo_config(attention="gqa", qk_norm=arm.model == "gqa+qknorm")
+    return demo.demo_config(experts=0)
+  return demo.demo_config(experts=0, attention="gqa", qk_norm=arm.model == "gqa+qknorm")
 
 
 def _git_commit() -> str:
@@ -483,7 +484,7 @@ def report(args, runs, stats, cfgs, meta) -> str:
   main_rows = [a for a in runs if not a.name.startswith("muonclip-tau")]
   abl_rows = [a for a in runs if a.name in ("muon", "muonclip") or a.name.startswith("muonclip-tau")]
   abl_rows.sort(key=lambda a: (a.clip is not None, a.tau))
-  mesh = f" --mesh {args.mesh[0]},{args.mesh[1]}" if args.mesh else ""
+  mesh = f" --mesh {demo.mesh_text(args.mesh)}" if args.mesh else ""
   cmd = (f"python examples/stability_study.py --steps {args.steps} --seeds {args.seeds} "
          f"--taus {','.join(f'{t:g}' for t in args.taus)}{mesh}")
   out = [

@@ -1,6 +1,11 @@
-"""Train a small byte-level DeepSeek-style MLA language model with AdamW, Muon and MuonClip.
+"""Train a small byte-level Kimi K2 / DeepSeek-V3-shaped language model with AdamW, Muon and MuonClip.
 
-The same model, from the same initialization, on the same batches, three times:
+The model (``mla_lm.py``): MLA attention, and in every layer a mixture of experts (a shared
+expert plus 2 of 8 routed experts, sigmoid gate scores, DeepSeek-V3's auxiliary-loss-free
+balancing: after each step the routing bias moves by +/- ``--bias-speed``). The experts are
+stacks with logical names; Muon reads its matrices from the names (each expert of each layer
+orthogonalized on its own), nothing is declared by hand. The same model, from the same
+initialization, on the same batches, three times:
 
   adamw     optax.adamw
   muon      muonclip_jax.muon_adamw (Muon on hidden matrices, AdamW on the rest), no clip
@@ -13,7 +18,12 @@ the number of clipped heads to ``<out>/<optimizer>/metrics.jsonl``; at the end i
 ``<out>/report.png`` and prints a summary table.
 
   python examples/train_mla_lm.py [--steps N] [--optimizers adamw,muon,muonclip]
-      [--tau T] [--seed S] [--mesh DATA,MODEL] [--out runs/demo]
+      [--tau T] [--seed S] [--experts E] [--bias-speed G] [--mesh DATA,EXPERT,MODEL] [--out runs/demo]
+
+``--mesh DATA,EXPERT,MODEL`` runs it on that device mesh (fake CPU devices if needed):
+expert parallel over ``EXPERT`` (each device holds whole experts), tensor parallel over
+``MODEL``, the batch split over ``DATA`` x ``EXPERT``. ``--mesh DATA,MODEL`` is
+``DATA,1,MODEL``.
 """
 
 from __future__ import annotations
@@ -45,11 +55,16 @@ def parse_args(argv):
   p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated: adamw,muon,muonclip")
   p.add_argument("--tau", type=float, default=30.0, help="QK-Clip threshold")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--mesh", default=None, help="DATA,MODEL device mesh, e.g. 2,4 (fake CPU devices if needed)")
+  p.add_argument("--mesh", default=None,
+                 help="DATA,EXPERT,MODEL device mesh, e.g. 2,4,1 (DATA,MODEL = DATA,1,MODEL; fake CPU devices if needed)")
   p.add_argument("--out", default="runs/demo", help="output directory")
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--seq", type=int, default=128)
   p.add_argument("--eval-every", type=int, default=25)
+  p.add_argument("--experts", type=int, default=8,
+                 help="routed experts per layer (top-2 and a shared expert); 0: a dense SwiGLU MLP instead")
+  p.add_argument("--bias-speed", type=float, default=BIAS_SPEED,
+                 help="routing-bias update speed (DeepSeek-V3's gamma, aux-loss-free balancing); 0 turns it off")
   args = p.parse_args(argv)
   names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
   unknown = [n for n in names if n not in OPTIMIZERS]
@@ -58,6 +73,10 @@ def parse_args(argv):
   args.optimizers = names
   if not (args.tau > 0) or math.isnan(args.tau):
     raise UsageError(f"--tau must be > 0, got {args.tau}")
+  if not (args.bias_speed >= 0) or math.isinf(args.bias_speed):
+    raise UsageError(f"--bias-speed must be a finite number >= 0, got {args.bias_speed}")
+  if args.experts < 0 or args.experts == 1:
+    raise UsageError(f"--experts must be 0 (dense MLP) or >= 2 (top-2 routing), got {args.experts}")
   if args.steps < 1:
     raise UsageError(f"--steps must be >= 1, got {args.steps}")
   if args.mesh is not None:
@@ -65,15 +84,21 @@ def parse_args(argv):
   return args
 
 
-def parse_mesh(text: str) -> tuple[int, int]:
-  """``"DATA,MODEL"`` -> ``(data, model)``; UsageError otherwise."""
+MESH_AXES = ("data", "expert", "model")
+
+
+def parse_mesh(text: str) -> tuple[int, int, int]:
+  """``"DATA,EXPERT,MODEL"`` -> ``(data, expert, model)``, ``"DATA,MODEL"`` -> ``(data, 1, model)``;
+  UsageError otherwise."""
   try:
-    data, model = (int(v) for v in text.split(","))
+    sizes = tuple(int(v) for v in text.split(","))
   except ValueError:
-    raise UsageError(f"--mesh must be DATA,MODEL (two integers), got {text!r}") from None
-  if data < 1 or model < 1:
+    sizes = ()
+  if len(sizes) not in (2, 3):
+    raise UsageError(f"--mesh must be DATA,EXPERT,MODEL or DATA,MODEL (integers), got {text!r}")
+  if min(sizes) < 1:
     raise UsageError(f"--mesh sizes must be >= 1, got {text!r}")
-  return data, model
+  return sizes if len(sizes) == 3 else (sizes[0], 1, sizes[1])
 
 
 def load_corpus(seed: int, val_fraction: float = 0.1, max_bytes: int = 8_000_000):
@@ -129,25 +154,33 @@ def main(argv=None) -> int:
     return 2
 
 
-def use_devices(mesh: tuple[int, int]) -> None:
-  """Asks JAX for DATA*MODEL devices (fake CPU devices on a CPU backend); UsageError if fewer."""
+def mesh_text(mesh: tuple[int, int, int]) -> str:
+  """``--mesh``'s text for ``mesh``: ``DATA,MODEL`` when there is no expert axis (``DATA,1,MODEL``)."""
+  return ",".join(map(str, mesh if mesh[1] > 1 else (mesh[0], mesh[2])))
+
+
+def use_devices(mesh: tuple[int, int, int]) -> None:
+  """Asks JAX for DATA*EXPERT*MODEL devices (fake CPU devices on a CPU backend); UsageError if fewer."""
   import jax
 
-  want = mesh[0] * mesh[1]
+  want = math.prod(mesh)
   try:  # fake CPU devices when JAX runs on the CPU; no effect on a GPU/TPU backend
     jax.config.update("jax_num_cpu_devices", want)
   except RuntimeError:
     pass  # a backend already started (e.g. under pytest): use the devices it has
   if jax.device_count() != want:
-    raise UsageError(f"--mesh {mesh[0]},{mesh[1]} needs {want} devices, but JAX sees {jax.device_count()}")
+    raise UsageError(f"--mesh {mesh_text(mesh)} needs {want} devices, but JAX sees {jax.device_count()}")
 
 
-# The demo's model: 2 scanned layers, 4 heads, MLA (see mla_lm.py).
-def demo_config(**changes):
+# The demo's model: 2 scanned layers, 4 heads, MLA, and in each layer a mixture of experts
+# (a shared expert and 2 of 8 routed experts, Kimi K2 / DeepSeek-V3 style; see mla_lm.py).
+# The stability study keeps the dense MLP (experts=0).
+def demo_config(experts: int = 8, **changes):
   from mla_lm import LMConfig
 
+  moe = dict(num_experts=experts, top_k=2, expert_dim=48) if experts else {}
   return LMConfig(dim=128, num_layers=2, num_heads=4, q_lora_rank=64, kv_lora_rank=32,
-                  qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, mlp_dim=384, **changes)
+                  qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, mlp_dim=384, **moe, **changes)
 
 
 def make_data(split_seed: int, sample_seed: int, steps: int, batch: int, seq: int):
@@ -182,12 +215,39 @@ def lr_schedule(peak: float, steps: int):
 
 
 LR_ADAMW, LR_MUON = 3e-3, 0.02
+BIAS_SPEED = 0.01  # DeepSeek-V3 uses 0.001 over 14.8T tokens; a 300-step run needs a faster rule
+
+
+def adamw_keeping_frozen(learning_rate, params):
+  """``optax.adamw`` on every leaf but those ``muon_labels`` calls ``"frozen"`` (the routing
+  bias), which keep their value: plain ``optax.adamw`` would decay them (weight decay acts
+  on a zero gradient too)."""
+  import jax
+  import optax
+
+  import muonclip_jax as mc
+
+  labels = jax.tree.map(lambda label: "frozen" if label == "frozen" else "adamw", mc.muon_labels(params))
+  return optax.partition({"adamw": optax.adamw(learning_rate, b1=0.9, b2=0.95, weight_decay=0.1),
+                          "frozen": optax.set_to_zero()}, labels)
+
+
+def with_balancing(step_fn, speed: float):
+  """The train step, then DeepSeek-V3's balancing rule on the routing bias (``update_routing_bias``),
+  from the step's expert load (``metrics["aux"]["expert_load"]``), outside the gradient."""
+  from mla_lm import update_routing_bias
+
+  def step(params, state, batch):
+    params, state, metrics = step_fn(params, state, batch)
+    return update_routing_bias(params, metrics["aux"]["expert_load"], speed), state, metrics
+
+  return step
 
 
 class Placement:
-  """Where params, optimizer state and batches live: one device, or a DATA x MODEL mesh."""
+  """Where params, optimizer state and batches live: one device, or a DATA x EXPERT x MODEL mesh."""
 
-  def __init__(self, cfg, params, mesh: tuple[int, int] | None, batch: int, seq: int):
+  def __init__(self, cfg, params, mesh: tuple[int, int, int] | None, batch: int, seq: int):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -201,7 +261,9 @@ class Placement:
 
       if batch % mesh[0]:
         raise UsageError(f"--batch {batch} is not divisible by the data axis {mesh[0]}")
-      self.mesh = Mesh(np.asarray(jax.devices()).reshape(mesh), ("data", "model"))
+      if cfg.num_experts % mesh[1]:
+        raise UsageError(f"--mesh: the expert axis {mesh[1]} does not divide the {cfg.num_experts} experts")
+      self.mesh = Mesh(np.asarray(jax.devices()).reshape(mesh), MESH_AXES)
       self.shardings = mc.sharding.param_shardings(params, self.mesh, logical_axes=logical_axes(cfg))
       self.batch_sharding = mc.sharding.batch_shardings(jnp.zeros((batch, seq + 1), jnp.int32), self.mesh)
 
@@ -274,6 +336,8 @@ def train(name, step, params, state, batches, place, eval_fn, val_batch, eval_ev
           "num_clipped": int(metrics["num_clipped"]),  # heads the step scaled
           "num_above_threshold": int(metrics.get("num_above_threshold", 0)),  # forward pass above tau
       }
+      if "aux" in metrics:  # the fraction of tokens routed to each expert, per layer
+        rec["expert_load"] = np.asarray(metrics["aux"]["expert_load"]).tolist()
       if "exact_clip_passes" in metrics:
         rec["exact_clip_passes"] = int(metrics["exact_clip_passes"])
       if extra is not None:
@@ -292,21 +356,21 @@ def run(args) -> int:
 
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import muonclip_jax as mc
-  from mla_lm import MATRIX_AXES, init_params, make_loss_fn
+  from mla_lm import init_params, logical_matrix_axes, make_loss_fn
   from muonclip_jax import training
 
-  cfg = demo_config()
+  cfg = demo_config(args.experts)
   batches, val_batch, info = make_data(args.seed, args.seed, args.steps, args.batch, args.seq)
   print(f"data: {info}; device: {jax.devices()[0].device_kind} x {jax.device_count()}")
   params0 = init_params(cfg, args.seed)
   place = Placement(cfg, params0, args.mesh, args.batch, args.seq)
   params0, val_batch = place.params(params0), place.batch(val_batch)
   loss_fn = make_loss_fn(cfg)
-  muon_kw = dict(matrix_axes=MATRIX_AXES, shard_orthogonalization=place.shardings)
+  # Muon's matrices come from the logical names: layers and experts batched, one matrix each.
+  muon_kw = dict(matrix_axes=logical_matrix_axes(cfg), shard_orthogonalization=place.shardings)
   optimizers = {
       # tau goes to the optimizer that clips, else to the train step (for its metrics)
-      "adamw": (optax.adamw(lr_schedule(LR_ADAMW, args.steps), b1=0.9, b2=0.95, weight_decay=0.1),
-                dict(qk_clip_threshold=args.tau)),
+      "adamw": (adamw_keeping_frozen(lr_schedule(LR_ADAMW, args.steps), params0), dict(qk_clip_threshold=args.tau)),
       "muon": (mc.muon_adamw(lr_schedule(LR_MUON, args.steps), **muon_kw), dict(qk_clip_threshold=args.tau)),
       "muonclip": (
           mc.muonclip(lr_schedule(LR_MUON, args.steps), layout=cfg.layout, qk_clip_threshold=args.tau, **muon_kw),
@@ -320,6 +384,8 @@ def run(args) -> int:
   for name in args.optimizers:
     opt, step_kw = optimizers[name]
     step_fn = training.make_train_step(loss_fn, opt, **step_kw)
+    if cfg.num_experts:
+      step_fn = with_balancing(step_fn, args.bias_speed)
     state = place.init(opt, params0)
     step = place.jit(step_fn, state)
     records, sec = train(name, step, params0, state, batches, place, eval_fn, val_batch, args.eval_every,
@@ -360,18 +426,27 @@ def summarize(records, num_heads_total, sec_per_step):
       "steps_with_clipped_head": len(ever),
       "clipped_head_fraction": sum(r["num_above_threshold"] for r in records) / (num_heads_total * len(records)),
       "sec_per_step": sec_per_step,
+      # the most loaded expert's load over the mean load (1.0 = balanced), worst layer, last 10 steps
+      "expert_load_max_over_mean": (None if "expert_load" not in records[-1] else sum(
+          max(max(layer) / (sum(layer) / len(layer)) for layer in r["expert_load"]) for r in records[-10:])
+          / len(records[-10:])),
   }
 
 
 def format_table(results, tau):
   cols = ["optimizer", "train loss", "val loss", "highest max logit", "steps > tau", "head-steps > tau", "s/step"]
+  moe = all(r["expert_load_max_over_mean"] is not None for r in results.values())
+  cols += ["expert load max/mean"] if moe else []
   rows = [[name, f"{r['final_train_loss']:.3f}", f"{r['final_val_loss']:.3f}", f"{r['highest_max_logit']:.1f}",
            str(r["steps_with_clipped_head"]), f"{100 * r['clipped_head_fraction']:.1f}%", f"{r['sec_per_step']:.3f}"]
+          + ([f"{r['expert_load_max_over_mean']:.2f}"] if moe else [])
           for name, r in results.items()]
   widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
   lines = [
       f"summary (tau = {tau:g}; train loss = mean of the last 10 steps; max logits are those of each "
-      "step's forward pass; steps > tau = steps with a head above tau, which MuonClip then clips)",
+      "step's forward pass; steps > tau = steps with a head above tau, which MuonClip then clips"
+      + ("; expert load max/mean = the most loaded expert's share of the tokens over the mean share, "
+         "worst layer, mean of the last 10 steps, 1.00 = balanced)" if moe else ")"),
       " | ".join(c.ljust(w) for c, w in zip(cols, widths)),
       "-+-".join("-" * w for w in widths),
   ]

@@ -99,7 +99,7 @@ def test_report_only_rebuilds_the_same_study(tiny_study, tmp_path):
         (["--taus", "30,nan"], "--taus must be finite and > 0, got '30,nan'"),
         (["--taus", "30,20,30"], "--taus repeats a value: '30,20,30'"),
         (["--mesh", "3,1"], "--mesh 3,1 needs 3 devices, but JAX sees 8"),
-        (["--mesh", "2x4"], "--mesh must be DATA,MODEL (two integers), got '2x4'"),
+        (["--mesh", "2x4"], "--mesh must be DATA,EXPERT,MODEL or DATA,MODEL (integers), got '2x4'"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--report-only"], "--report-only:"),
         (["--arms", "muon,nope"], "--arms takes names from ['adamw', "),
