@@ -15,8 +15,14 @@ $(BIN)/python:
 
 # --no-compile: Python compiles a dependency's modules when they are first imported, not all of
 # them at install (transformers alone has thousands the tests never import).
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
+# The gemma package's tests (tests/test_gemma_package.py) install gemma without its
+# dependencies: through kauldron they pull tensorflow (about 2 GB); gemma's attention needs
+# none of them, and the tests stand in for the two kauldron names it imports.
+GEMMA := 'gemma==3.3.0; python_version < "3.12"' 'gemma==4.0.1; python_version >= "3.12"'
+
+$(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/python -m pip install -q --no-compile -e '.[test,demo]'
+	$(BIN)/python -m pip install -q --no-compile --no-deps $(GEMMA)
 	touch $@
 
 # The virtualenv alone, with what the tests and the demo need (`.ci/run` builds both of its

@@ -56,8 +56,15 @@ def _restore_hf_llama(monkeypatch):
   monkeypatch.setattr(hf_llama, "dot_product_attention_weights", hf_llama.dot_product_attention_weights)
 
 
+def _your_model(monkeypatch):
+  _restore_hf_llama(monkeypatch)
+  sys.path.insert(0, str(ROOT / "tests"))
+  from _gemma_package import import_gemma
+  import_gemma()  # the gemma package importable, kauldron stood in for where it is absent
+
+
 _SETUP = {"deepseek.md": lambda tmp_path, monkeypatch: _tiny_deepseek_checkpoint(tmp_path),
-          "your-model.md": lambda tmp_path, monkeypatch: _restore_hf_llama(monkeypatch)}
+          "your-model.md": lambda tmp_path, monkeypatch: _your_model(monkeypatch)}
 
 
 def test_every_doc_file_is_collected():

@@ -7,6 +7,7 @@ by the per-head rule applied in NumPy to that kernel form; every other leaf (val
 kernels included) is bit for bit the ``muon_adamw`` result.
 """
 
+import contextlib
 import functools
 import os
 import sys
@@ -107,6 +108,43 @@ def tau_between(maxima):
   tau = float(np.median(maxima))
   assert (maxima > tau).any() and (maxima <= tau).any()
   return tau
+
+
+@contextlib.contextmanager
+def replaying_inputs(attention_cls, store, mode):
+  """Records (``mode="record"``) or replays (``"replay"``) the inputs of every ``attention_cls`` call, by path."""
+
+  def interceptor(next_fun, args, kwargs, context):
+    if isinstance(context.module, attention_cls) and context.method_name == "__call__":
+      if mode == "record":
+        store[context.module.path] = (args, kwargs)
+      else:
+        args, kwargs = store[context.module.path]
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(interceptor):
+    yield
+
+
+def check_clip_bounds(forward, attention_cls, params, intermediates, tau, layout, num_heads, untouched):
+  """Check 4 of the module docstring; ``untouched`` (layers, heads) marks heads whose q and k stay as they were."""
+  clipped_params = mc.qk_clip(params, intermediates, qk_clip_threshold=tau, layout=layout)
+
+  @jax.jit
+  def both(p, p2):
+    store = {}
+    with replaying_inputs(attention_cls, store, "record"):
+      before = forward(p)
+    with replaying_inputs(attention_cls, store, "replay"):
+      after = forward(p2)
+    return before, after
+
+  before, after = both(params, clipped_params)
+  before, after = sown_by_layer(before, num_heads), sown_by_layer(after, num_heads)
+  clipped = before > tau
+  assert clipped.any() and untouched.any()
+  assert (after[clipped] <= tau * (1 + 1e-5)).all(), (after, tau)
+  np.testing.assert_array_equal(after[untouched], before[untouched])
 
 
 def captured_qk(model, params, tokens):

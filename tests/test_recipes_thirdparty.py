@@ -13,7 +13,6 @@ For each recipe:
    columns were untouched its old maximum bit for bit.
 """
 
-import contextlib
 import os
 import sys
 
@@ -29,7 +28,8 @@ import muonclip_jax.nn as mcnn
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from test_recipes import LR, check_step, clip_factors_np, flat, scaled, sown_by_layer, tau_between  # noqa: E402
+from test_recipes import (LR, check_clip_bounds, check_step, clip_factors_np, flat, replaying_inputs,  # noqa: E402
+                          scaled, sown_by_layer, tau_between)
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers: "Flax classes are deprecated"
@@ -58,43 +58,6 @@ def np_hf_max_logits(q, k, bias):
   s = np.einsum("bqhd,bkhd->bhqk", np.float64(q), np.float64(k)) / np.sqrt(q.shape[-1]) + np.float64(bias)
   allowed = np.tril(np.ones(s.shape[-2:], bool))
   return np.where(allowed, s, -np.inf).max(axis=(0, 2, 3))
-
-
-@contextlib.contextmanager
-def replaying_inputs(attention_cls, store, mode):
-  """Records (``mode="record"``) or replays (``"replay"``) the inputs of every ``attention_cls`` call, by path."""
-
-  def interceptor(next_fun, args, kwargs, context):
-    if isinstance(context.module, attention_cls) and context.method_name == "__call__":
-      if mode == "record":
-        store[context.module.path] = (args, kwargs)
-      else:
-        args, kwargs = store[context.module.path]
-    return next_fun(*args, **kwargs)
-
-  with nn.intercept_methods(interceptor):
-    yield
-
-
-def check_clip_bounds(forward, attention_cls, params, intermediates, tau, layout, num_heads, untouched):
-  """Check 4 of the module docstring; ``untouched`` (layers, heads) marks heads whose q and k stay as they were."""
-  clipped_params = mc.qk_clip(params, intermediates, qk_clip_threshold=tau, layout=layout)
-
-  @jax.jit
-  def both(p, p2):
-    store = {}
-    with replaying_inputs(attention_cls, store, "record"):
-      before = forward(p)
-    with replaying_inputs(attention_cls, store, "replay"):
-      after = forward(p2)
-    return before, after
-
-  before, after = both(params, clipped_params)
-  before, after = sown_by_layer(before, num_heads), sown_by_layer(after, num_heads)
-  clipped = before > tau
-  assert clipped.any() and untouched.any()
-  assert (after[clipped] <= tau * (1 + 1e-5)).all(), (after, tau)
-  np.testing.assert_array_equal(after[untouched], before[untouched])
 
 
 def hf_recipe_check(monkeypatch, mod, hf_module, attention_cls, expected_fn, group=1, exact_slices=()):

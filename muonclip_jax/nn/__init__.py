@@ -15,6 +15,7 @@ Third-party models: ``dot_product_attention`` is a drop-in ``attention_fn`` for 
 ``nn.MultiHeadDotProductAttention``/``nnx.MultiHeadAttention``;
 ``dot_product_attention_weights`` stands in for ``flax.linen.dot_product_attention_weights``
 (Hugging Face Flax models); ``sow_max_logits`` sows maxima from logits computed by hand;
+``capture_gemma()`` makes the ``gemma`` package's own models (``gm.nn.Gemma3_*``) sow theirs;
 ``equinox_attention(mha, query, key_, value, mask)`` runs an ``equinox.nn.MultiheadAttention``
 and returns ``(out, max_logits)``.
 
@@ -29,6 +30,7 @@ from ._deepseek import load_hf_mla_params as load_hf_mla_params
 from ._deepseek import mla_from_hf_config as mla_from_hf_config
 from ._deepseek import mla_nnx_from_hf_config as mla_nnx_from_hf_config
 from .._clip import equinox_attention as equinox_attention
+from ._capture import capture_gemma as capture_gemma
 from ._capture import dot_product_attention as dot_product_attention
 from ._capture import dot_product_attention_weights as dot_product_attention_weights
 from ._capture import sow_max_logits as sow_max_logits

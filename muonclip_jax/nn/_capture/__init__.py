@@ -2,8 +2,9 @@
 
 from .flax_attention import dot_product_attention
 from .flax_weights import dot_product_attention_weights
+from .gemma import capture_gemma
 from .sow import capturing, sow_head_max, sow_max_logits
 
 __all__ = [
-    "capturing", "dot_product_attention", "dot_product_attention_weights", "sow_head_max", "sow_max_logits",
+    "capture_gemma", "capturing", "dot_product_attention", "dot_product_attention_weights", "sow_head_max", "sow_max_logits",
 ]
