@@ -83,11 +83,17 @@ def scale_dtype(dtype: Any) -> Any:
   return jnp.promote_types(jnp.float32, dtype)
 
 
-def rescale(m: jax.Array, g: jax.Array, s: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(m_in, g_in, s_new)``: one leaf's momentum and gradient in the units of its new ``mu_scale``.
+def in_units(g: jax.Array, s: jax.Array) -> jax.Array:
+  """``g / s`` for a power of two ``s`` (exact), and ``g`` itself (selected) where ``s == 1``."""
+  return jnp.where(s == 1, g, (g.astype(s.dtype) / s).astype(g.dtype))
 
-  The true momentum is ``m * s = m_in * s_new`` and ``g_in = g / s_new``, exactly: ``s`` and
-  ``s_new`` are powers of two (only entries below ~2^-250 of the largest can underflow).
+
+def rescale(m: jax.Array, g: jax.Array, s: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(m_in, s_new)``: one leaf's momentum in the units of its new ``mu_scale``, and that scale.
+
+  The true momentum is ``m * s = m_in * s_new``; the gradient in those units is ``g_in =
+  in_units(g, s_new)``. Both are exact: ``s`` and ``s_new`` are powers of two (only entries
+  below ~2^-250 of the largest can underflow).
 
   Bound: let ``T = 2^(x - 3)``, ``x`` the ``maxexp`` of the narrower of ``m``'s and ``g``'s
   dtypes (float32, bfloat16: ``T = 2^125 ~ 4.3e37``; float16: ``2^13``); both dtypes' largest
@@ -110,9 +116,7 @@ def rescale(m: jax.Array, g: jax.Array, s: jax.Array) -> tuple[jax.Array, jax.Ar
   c = jnp.where(a > 2.0 ** (x - 3), c, jnp.clip(c, 1, s))  # down below T; else back up towards s_new = 1
   c = jnp.where(jnp.isfinite(a), c, one)
   s_new = s / c
-  m_in = jnp.where(c == 1, m, (m.astype(dt) * c).astype(m.dtype))
-  g_in = jnp.where(s_new == 1, g, (g.astype(dt) / s_new).astype(g.dtype))
-  return m_in, g_in, s_new
+  return jnp.where(c == 1, m, (m.astype(dt) * c).astype(m.dtype)), s_new
 
 
 def rms_factor(rms_match: str | None, rms_scale: Any, fan_in: int, fan_out: int) -> Any:
@@ -352,17 +356,23 @@ def scale_by_muon(
     table = memo.recall(updates)
     lookup = blocks_of(updates) if table is None else (lambda p, _: table[p])
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
-    scaled = [rescale(m, g, s) for m, g, s in zip(treedef.flatten_up_to(state.mu), [g for _, g in flat],
+    leaves = [g for _, g in flat]
+    scaled = [rescale(m, g, s) for m, g, s in zip(treedef.flatten_up_to(state.mu), leaves,
                                                    treedef.flatten_up_to(state.mu_scale))]
-    flat_mu = [(beta * m + g).astype(m.dtype) for m, g, _ in scaled]
-    leaves = [g for _, g, _ in scaled]  # the gradients divided by the new mu_scale
+    scales = [s for _, s in scaled]
+    # M_t / s_t in mu's dtype; the gradient is divided by s_t where it is read (here and in the
+    # direction), never stored: no temporary per leaf
+    flat_mu = [(beta * m + in_units(g, s)).astype(m.dtype) for (m, s), g in zip(scaled, leaves)]
     state = ScaleByMuonState(mu=jax.tree_util.tree_unflatten(treedef, flat_mu),
-                             mu_scale=jax.tree_util.tree_unflatten(treedef, [s for _, _, s in scaled]))
+                             mu_scale=jax.tree_util.tree_unflatten(treedef, scales))
     paths = [path_str(p) for p, _ in flat]
     blocks = [lookup(p, g.shape) for p, (_, g) in zip(paths, flat)]
 
-    def direction(g, m):
-      return g + beta * m.astype(g.dtype) if nesterov else m.astype(g.dtype)
+    def direction(i, g, m):  # leaf i's (a slice of it), divided by its mu_scale
+      if not nesterov:
+        return m.astype(g.dtype)
+      g = in_units(g, scales[i])
+      return g + beta * m.astype(g.dtype)
 
     def rms(fan_in, fan_out):
       return rms_factor(rms_match, rms_scale, fan_in, fan_out)
