@@ -247,6 +247,9 @@ def test_zero_gradient_gives_zero_update_and_nan_leaf_is_isolated():
     clean, _ = tx.update({"w2": g["w2"]}, tx.init({"w2": params["w2"]}))
     chex.assert_trees_all_equal(u["w2"], clean["w2"])
     chex.assert_tree_all_finite(state.mu["w2"])
+    # documented (docs/training.md, the input contract): w1's momentum stays NaN, its scale 1
+    later, state = tx.update(jax.tree.map(jnp.sin, params), state)
+    assert np.isnan(np.asarray(later["w1"])).all() and float(state.mu_scale["w1"]) == 1.0
 
 
 @pytest.mark.parametrize(
@@ -395,6 +398,72 @@ def test_extreme_gradient_scales_give_the_update_of_the_gradient_scaled_down():
     u, state = update(jax.tree.map(lambda x: x * scale, g), tx.init(params))
     chex.assert_trees_all_close(u, ref, atol=1e-5, rtol=0)
     chex.assert_tree_all_finite(state.mu)
+
+
+def test_a_gradient_near_float32_max_gives_the_update_of_the_gradient_scaled_down():
+  """Issue 42: with max|G| = 3e38, the step-1 Nesterov direction (1 + beta) G ~ 5.9e38 overflowed
+  float32 (a NaN update). The momentum is stored divided by a power of two (``mu_scale``), the
+  direction too, and Newton–Schulz is scale-invariant: the update is exactly that of G 2^-100,
+  and the float64 reference's (Keller's five steps, to float32 Newton–Schulz's ~1e-4)."""
+  g = np.random.default_rng(0).standard_normal((16, 32))
+  big = (g / np.abs(g).max() * 3e38).astype(np.float32)
+  tx = mc.scale_by_muon(**KELLER)
+  update = jax.jit(tx.update)
+  state0 = tx.init({"w": jnp.zeros((16, 32))})
+  u, state = update({"w": jnp.asarray(big)}, state0)
+  small, _ = update({"w": jnp.asarray(big * np.float32(2.0 ** -100))}, state0)
+  chex.assert_tree_all_finite((u, state))
+  np.testing.assert_allclose(u["w"], small["w"], rtol=1e-6, atol=1e-7)
+  ref = np_newton_schulz(1.95 * big.astype(np.float64)) * 0.2 * np.sqrt(32)
+  np.testing.assert_allclose(u["w"], ref, rtol=1e-4, atol=2e-5)
+  scale = float(state.mu_scale["w"])
+  assert scale > 1 and np.log2(scale) == int(np.log2(scale)), scale  # a power of two
+  np.testing.assert_array_equal(np.asarray(state.mu["w"], np.float64) * scale, big)  # M_1 = G, exactly
+
+
+@pytest.mark.parametrize("mu_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_a_constant_huge_gradient_never_overflows_the_momentum(mu_dtype):
+  """Issue 42: a constant gradient of max 2e37 (17x below float32's largest): the momentum
+  2e37 (1 - beta^t) / (1 - beta) passed float32's largest at step 36, and every later update
+  was NaN. Now 60 such steps, then 60 of max 1, keep the momentum and the updates finite (a
+  float16 momentum, largest 65504, included), and the run is the same run on the gradients
+  times 2^-120 (where nothing overflows and ``mu_scale`` stays 1), scaled: ``mu * mu_scale``
+  is 2^120 times that run's momentum bit for bit (powers of two commute with rounding), the
+  updates equal to eps's effect. In float32 the momentum is the float64 one to 3e-6, and
+  ``mu_scale`` is back at 1 once the momentum fits."""
+  tx = mc.scale_by_muon(mu_dtype=mu_dtype)
+  base = jnp.asarray(np.random.default_rng(1).uniform(0.5, 1.0, (8, 16)) * np.sign(np.arange(16) - 7.5),
+                     jnp.float32)
+
+  def grad(t, factor):
+    return base * jnp.where(t < 60, jnp.float32(2e37), jnp.float32(1.0)) * factor
+
+  @jax.jit
+  def run(factor):
+    def body(t, carry):
+      state, _, finite, top = carry
+      u, state = tx.update({"w": grad(t, factor)}, state)
+      finite &= jnp.isfinite(u["w"]).all() & jnp.isfinite(state.mu["w"]).all()
+      return state, u["w"], finite, jnp.maximum(top, state.mu_scale["w"])
+
+    return jax.lax.fori_loop(0, 120, body, (tx.init({"w": base}), base, jnp.bool_(True), jnp.float32(1)))
+
+  def momentum(state):
+    return np.asarray(state.mu["w"], np.float64) * float(state.mu_scale["w"])
+
+  state, last, finite, top = run(jnp.float32(1))
+  small, small_last, small_finite, small_top = run(jnp.float32(2.0 ** -120))
+  assert bool(finite) and bool(small_finite) and float(top) > 1 and float(small_top) == 1
+  np.testing.assert_array_equal(momentum(state), momentum(small) * 2.0 ** 120)
+  np.testing.assert_allclose(last, small_last, rtol=0, atol=1e-6)
+  if mu_dtype == jnp.float32:
+    beta, ref = float(np.float32(0.95)), np.zeros((8, 16))
+    for t in range(120):
+      ref = beta * ref + np.asarray(grad(t, 1.0), np.float64)
+    np.testing.assert_allclose(momentum(state), ref, rtol=3e-6)
+    assert float(state.mu_scale["w"]) == 1.0  # the true momentum, ~1.8e37, fits again
+    first, _ = tx.update({"w": base}, tx.init({"w": base}))  # the direction stays parallel to base
+    np.testing.assert_allclose(last, first["w"], rtol=0, atol=1e-5)  # M's roundings, through NS
 
 
 def test_float16_adam_leaves_with_an_eps_that_underflows_are_refused_at_init():

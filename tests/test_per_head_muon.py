@@ -519,6 +519,33 @@ def test_sharded_per_head_equals_one_device_and_heads_stay_where_they_live(shard
     assert all(n <= 1 for n in sizes), found
 
 
+@pytest.mark.parametrize("blocks", ["head", "matrix"])
+def test_a_head_near_float32_max_gives_finite_updates_on_one_device_and_sharded(sharded_reference, blocks):
+  """Issue 42: one head block with entries up to 2.6e38 (its Nesterov direction overflowed
+  float32: that head's block NaN per head, the whole kernel NaN as one matrix). Every update
+  is finite; per head, each block's update is that of the normal-sized gradient (each leaf's
+  momentum is stored divided by a power of two, and Newton–Schulz is scale-invariant); with
+  ``shard_orthogonalization`` (heads on the 4-way model axis) it is one device's update."""
+  params, layout, grads, want = sharded_reference
+  big = np.float32(1.5 * 2.0 ** 127)
+  huge = {"general": jax.tree.map(lambda g: g.at[:, 3].multiply(big), grads["general"]),
+          "flat": jax.tree.map(lambda g: g.at[:, 3 * D:4 * D].multiply(big), grads["flat"])}
+  single = mc.scale_by_muon(layout=layout, muon_blocks=blocks)
+  got = jax.jit(single.update)(huge, single.init(params))[0]
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(got))
+  if blocks == "head":
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # to eps and 1.5 x's rounding, through NS
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=5e-6)
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+  spec = {"general": P(None, "model", None), "flat": P(None, "model")}
+  ps = {m: {p: {"kernel": NamedSharding(mesh, spec[m])} for p in ("wq", "wk")} for m in spec}
+  opt = mc.scale_by_muon(layout=layout, muon_blocks=blocks, shard_orthogonalization=ps)
+  g = jax.device_put(huge, ps)
+  sharded = jax.jit(opt.update, out_shardings=(ps, None))(g, mc.sharding.init_state(opt, g, ps))[0]
+  for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(got)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("distributed", [False, True], ids=["spmd", "shard_orthogonalization"])
 def test_sharded_head_groups_stay_where_they_live(distributed):
   """"group:2" on 8 heads over a 4-way model axis: each device holds one group of 2 heads (DenseGeneral

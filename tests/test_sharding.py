@@ -110,19 +110,21 @@ def test_state_shardings_follow_params_and_small_leaves_are_replicated():
   state = sharding.init_state(opt, sharded, ps)
   by_path = {jax.tree_util.keystr(p, simple=True, separator="/"): x for p, x in
              jax.tree_util.tree_flatten_with_path(sharded)[0]}
-  found = 0
+  found = scales = 0
   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
     keys = jax.tree_util.keystr(path, simple=True, separator="/")
-    owner = [p for p in by_path if keys.endswith("/" + p)]
+    owner = [p for p in by_path if keys.endswith("/" + p) and by_path[p].shape == leaf.shape]
     if owner:
       assert _same_sharding(leaf, by_path[owner[0]]), keys
       found += 1
-    else:  # step counts, hyperparameters, the running max_logits
+    else:  # step counts, hyperparameters, the running max_logits, Muon's mu_scale
       assert leaf.ndim == 0 or "max_logits" in keys, keys
       assert leaf.sharding.is_fully_replicated, keys
+      scales += "/mu_scale/" in keys
   labels = jax.tree.leaves(mc.muon_labels(params))
   # Muon's momentum, Adam's two moments, MultiSteps' gradient accumulator
   assert found == labels.count("muon") + 2 * labels.count("adam") + len(labels)
+  assert scales == labels.count("muon")  # one replicated scalar per Muon leaf
   assert not state.inner.inner_opt_state[0].inner_states["muon"].inner_state[0].mu["layers"]["w_up"][
       "kernel"].sharding.is_fully_replicated
 

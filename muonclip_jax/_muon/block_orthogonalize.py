@@ -78,7 +78,7 @@ def ns_in_place(x: jax.Array, batch: tuple[int, ...], fan_in: tuple[int, ...], f
 def orthogonalize_blocks(gs: list, ms: list, blocks: Sequence[Blocks], direction: Callable, rms: Callable, *,
                          paths: Sequence[str], batch: int | None, target: Any, split: str,
                          ns_kwargs: dict) -> list:
-  """``rms(rows, cols) * NewtonSchulz(direction(g_i, m_i))`` block by block, in each leaf's dtype.
+  """``rms(rows, cols) * NewtonSchulz(direction(i, g_i, m_i))`` block by block, in each leaf's dtype.
 
   ``target`` is ``scale_by_muon``'s ``shard_orthogonalization``; ``batch`` its ``ns_batch``.
   """
@@ -94,7 +94,7 @@ def orthogonalize_blocks(gs: list, ms: list, blocks: Sequence[Blocks], direction
     if b.is_whole:
       continue
     g, m = (gs[i], ms[i]) if not prev else after((gs[i], ms[i]), prev)  # one leaf's temporaries at a time
-    d = direction(g, m)
+    d = direction(i, g, m)
     outs = [ns_in_place(x, bt, fi, fo, b.inner, ns, batch or 1) * rms(r, c)
             for x, (bt, fi, fo, r, c) in zip(b.pieces(d), piece_dims(b, paths[i], d.shape))]
     result[i] = b.assemble(outs, d.shape).astype(gs[i].dtype)
@@ -109,8 +109,8 @@ def orthogonalize_blocks(gs: list, ms: list, blocks: Sequence[Blocks], direction
     def finish(j, o):
       return (o * rms(dims[j][3], dims[j][4])).astype(gs[rest[j]].dtype)
 
-    outs = orthogonalize_leaves([g for g, _ in sub], [m for _, m in sub], [d[:3] for d in dims], direction, finish,
-                                batch=batch, **ns_kwargs)
+    outs = orthogonalize_leaves([g for g, _ in sub], [m for _, m in sub], [d[:3] for d in dims],
+                                lambda j, g, m: direction(rest[j], g, m), finish, batch=batch, **ns_kwargs)
     for i, o in zip(rest, outs):
       result[i] = o
   return result
@@ -130,7 +130,7 @@ def _sharded(gs, ms, blocks, direction, rms, *, paths, target, split, ns_kwargs)
 
   xs, axes, shardings, where, pieces = [], [], [], [], {}
   for i, b in enumerate(blocks):
-    d = direction(gs[i], ms[i])
+    d = direction(i, gs[i], ms[i])
     sharding = by_path.get(paths[i])
     spec = None if sharding is None else (tuple(sharding.spec) if b.is_whole else
                                           piece_spec(b, tuple(sharding.spec), d.shape, sizes))

@@ -10,6 +10,16 @@ Muon (Keller Jordan 2024) as used by Moonlight (arXiv 2502.16982, Algorithm 1) a
 with the RMS factor ``r`` of ``rms_match``: Moonlight's ``rms_scale * sqrt(max(fan_in,
 fan_out))`` (rms_scale = 0.2 makes the update RMS match AdamW's, so AdamW hyperparameters
 transfer), Keller Jordan's ``sqrt(max(1, fan_out / fan_in))``, or 1.
+
+Finite gradients never overflow (issue 42): a constant gradient of 2e37 makes ``M_t`` pass
+float32's largest (it tends to ``G / (1 - mu)``), and ``G + mu M_t`` does from ``G`` ~ 1.8e38.
+So each leaf's momentum is stored as ``M_t / s_t`` (``ScaleByMuonState``), ``s_t`` a power of
+two >= 1 chosen at each step (``rescale``, from the leaf's largest entries) so that ``M_t / s_t``
+stays below about a quarter of the dtype's largest and the direction ``(G_t + mu M_t) / s_t``
+below half; dividing by a power of two is exact, and ``NewtonSchulz`` is scale-invariant (up to its ``eps``, negligible there:
+``s_t > 1`` only when the direction's entries are near float32's largest, or float16's),
+so the update is that of the true ``M_t``. While ``s_t = 1`` (every run whose momentum fits,
+and again once a large one decays) the arithmetic is the plain formula above, bit for bit.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from .._util import check_bool, check_number, MatrixAxesSpec, MetadataMemo, path_str, skip_frozen_leaves
@@ -34,7 +45,13 @@ RMS_MODES = ("moonlight", "keller", None)
 
 
 class ScaleByMuonState(NamedTuple):
-  """State of ``scale_by_muon``.
+  """State of ``scale_by_muon``: the momentum of each leaf, stored divided by a power of two.
+
+  The momentum ``M_t`` of a leaf is ``mu * mu_scale``. ``mu_scale`` is 1 unless ``M_t`` or the
+  update direction would overflow ``mu``'s or the gradient's dtype (finite gradients near
+  float32's largest, or a momentum past float16's 65504): then it is the power of two that
+  keeps them in range, and it returns to 1 once the momentum fits again (see ``rescale``).
+  Non-finite gradients make ``mu`` non-finite for good (guard with ``optax.apply_if_finite``).
 
   Example:
     >>> import jax.numpy as jnp, muonclip_jax as mc
@@ -48,11 +65,58 @@ class ScaleByMuonState(NamedTuple):
     >>> _, state = opt.update(grads, state)
     >>> state.mu["w"][0]  # M_2 = 0.9 M_1 + G_2 = 0.9 + 1
     Array([1.9, 1.9, 1.9], dtype=float32)
+    >>> state.mu_scale["w"]  # no scaling needed: mu is the momentum
+    Array(1., dtype=float32)
+    >>> _, state = opt.update({"w": jnp.full((2, 3), 3e38)}, state)  # near float32's largest
+    >>> state.mu_scale["w"], state.mu["w"][0, 0] * state.mu_scale["w"] / 3e38  # M_3 = 0.9 M_2 + G_3
+    (Array(8., dtype=float32), Array(1., dtype=float32))
     >>> mc.scale_by_muon(mu_dtype=jnp.bfloat16).init({"w": jnp.zeros((2, 3))}).mu["w"].dtype
     dtype(bfloat16)
   """
 
-  mu: optax.Updates  # momentum M_t; shapes of the params, dtype mu_dtype (default: the params')
+  mu: optax.Updates  # M_t / mu_scale; shapes of the params, dtype mu_dtype (default: the params')
+  mu_scale: optax.Updates  # per leaf a power of two >= 1, shape=(), float32 (float64 for float64 momentum)
+
+
+def scale_dtype(dtype: Any) -> Any:
+  """The dtype of a leaf's ``mu_scale`` and of its rescaling: float32, or float64 for float64."""
+  return jnp.promote_types(jnp.float32, dtype)
+
+
+def in_units(g: jax.Array, s: jax.Array) -> jax.Array:
+  """``g / s`` for a power of two ``s`` (exact), and ``g`` itself (selected) where ``s == 1``."""
+  return jnp.where(s == 1, g, (g.astype(s.dtype) / s).astype(g.dtype))
+
+
+def rescale(m: jax.Array, g: jax.Array, s: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(m_in, s_new)``: one leaf's momentum in the units of its new ``mu_scale``, and that scale.
+
+  The true momentum is ``m * s = m_in * s_new``; the gradient in those units is ``g_in =
+  in_units(g, s_new)``. Both are exact: ``s`` and ``s_new`` are powers of two (only entries
+  below ~2^-250 of the largest can underflow).
+
+  Bound: let ``T = 2^(x - 3)``, ``x`` the ``maxexp`` of the narrower of ``m``'s and ``g``'s
+  dtypes (float32, bfloat16: ``T = 2^125 ~ 4.3e37``; float16: ``2^13``); both dtypes' largest
+  is at least ``2^(x - 1) = 4T``. ``s_new`` makes ``|m_in|, |g_in| <= T``. With ``u`` the unit
+  roundoff, the new momentum is then ``|beta m_in + g_in| <= (1 + beta) T (1 + u)^2 < 2.01 T``
+  and the Nesterov direction ``|g_in + beta M| <= (T + 2.01 T)(1 + u)^2 < 3.1 T``, both below
+  ``4T``: neither overflows, in either dtype (nor does ``M`` cast to the gradient's dtype).
+
+  ``s_new`` is the smallest power of two >= 1 that puts the largest entry ``a`` of ``m s /
+  s_new`` and ``g / s_new`` below ``T`` (``a`` scaled by ``2^(x - 3 - k)`` for ``a = f 2^k``,
+  ``f`` in [0.5, 1)), except that it never grows while ``a <= T``: it goes back to 1 once the
+  momentum decays. A non-finite ``a`` keeps ``s``. Where ``s_new == s == 1`` the inputs are
+  returned as they are (selected, not multiplied by 1, so that ``beta * m + g`` downstream
+  keeps its exact form and rounding: the plain formula, bit for bit).
+  """
+  x = min(jnp.finfo(m.dtype).maxexp, jnp.finfo(g.dtype).maxexp)
+  dt, one = s.dtype, jnp.ones((), s.dtype)
+  a = jnp.maximum(jnp.max(jnp.abs(m)).astype(dt), jnp.max(jnp.abs(g)).astype(dt) / s)
+  c = jnp.ldexp(one, x - 3 - jnp.frexp(a)[1])  # the largest power of two with a c < T
+  c = jnp.where(a > 2.0 ** (x - 3), c, jnp.clip(c, 1, s))  # down below T; else back up towards s_new = 1
+  c = jnp.where(jnp.isfinite(a), c, one)
+  s_new = s / c
+  return jnp.where(c == 1, m, (m.astype(dt) * c).astype(m.dtype)), s_new
 
 
 def rms_factor(rms_match: str | None, rms_scale: Any, fan_in: int, fan_out: int) -> Any:
@@ -142,8 +206,12 @@ def scale_by_muon(
     eps: Newton–Schulz norm epsilon; a zero gradient gives a zero update. It is a floor on
       the normalization (see ``newton_schulz``): a direction whose Frobenius norm is not
       well above ``eps`` (entries of 1e-30, say) gives an update near zero instead of an
-      orthogonal one. There is no ceiling: directions with entries up to float32's largest
-      (1e19 to 1e38, whose squares overflow) give the update of the direction scaled down.
+      orthogonal one. There is no ceiling: gradients with entries up to float32's largest
+      (1e19 to 1e38, whose squares overflow, and whose momentum or direction would) give the
+      update of the direction scaled down. Newton–Schulz sees the direction divided by the
+      leaf's ``mu_scale`` (``ScaleByMuonState``), so ``eps`` acts as ``eps * mu_scale`` on the
+      true direction, which is negligible: ``mu_scale > 1`` only when entries are within a
+      factor ~8 of the dtype's largest.
     compute_dtype: dtype of the Newton–Schulz iteration (default: the gradient's).
     mu_dtype: dtype of the momentum (default: the gradient's).
     rms_match: ``"moonlight"`` (``rms_scale * sqrt(max(fan_in, fan_out))``, the default),
@@ -214,7 +282,11 @@ def scale_by_muon(
   leaves get a zero update and no momentum (``_util.frozen_leaves``).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state holds only the momentum.
+    An ``optax.GradientTransformationExtraArgs`` whose state (``ScaleByMuonState``) holds
+    only the momentum, as ``mu`` times a per-leaf power of two ``mu_scale``. Finite gradients
+    give finite updates and a finite momentum, whatever their size; a NaN or inf gradient
+    makes that leaf's momentum, and so its later updates, NaN for good (apply the update
+    only where the gradients are finite: ``optax.apply_if_finite``).
 
   Example:
     >>> import jax, jax.numpy as jnp, muonclip_jax as mc
@@ -276,30 +348,39 @@ def scale_by_muon(
       piece_dims(table[p], p, x.shape)
     memo.remember(params, table)
     mu = optax.tree.zeros_like(params, dtype=mu_dtype)
-    return ScaleByMuonState(mu=mu)
+    return ScaleByMuonState(mu=mu, mu_scale=jax.tree.map(lambda m: jnp.ones((), scale_dtype(m.dtype)), mu))
 
   def update_fn(updates, state, params=None):
     del params
     report_layout("muon", layout)  # for make_train_step(exact_clip=True)
     table = memo.recall(updates)
     lookup = blocks_of(updates) if table is None else (lambda p, _: table[p])
-    mu = jax.tree.map(lambda m, g: (beta * m + g).astype(m.dtype), state.mu, updates)
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
-    flat_mu = treedef.flatten_up_to(mu)
+    leaves = [g for _, g in flat]
+    scaled = [rescale(m, g, s) for m, g, s in zip(treedef.flatten_up_to(state.mu), leaves,
+                                                   treedef.flatten_up_to(state.mu_scale))]
+    scales = [s for _, s in scaled]
+    # M_t / s_t in mu's dtype; the gradient is divided by s_t where it is read (here and in the
+    # direction), never stored: no temporary per leaf
+    flat_mu = [(beta * m + in_units(g, s)).astype(m.dtype) for (m, s), g in zip(scaled, leaves)]
+    state = ScaleByMuonState(mu=jax.tree_util.tree_unflatten(treedef, flat_mu),
+                             mu_scale=jax.tree_util.tree_unflatten(treedef, scales))
     paths = [path_str(p) for p, _ in flat]
     blocks = [lookup(p, g.shape) for p, (_, g) in zip(paths, flat)]
 
-    def direction(g, m):
-      return g + beta * m.astype(g.dtype) if nesterov else m.astype(g.dtype)
+    def direction(i, g, m):  # leaf i's (a slice of it), divided by its mu_scale
+      if not nesterov:
+        return m.astype(g.dtype)
+      g = in_units(g, scales[i])
+      return g + beta * m.astype(g.dtype)
 
     def rms(fan_in, fan_out):
       return rms_factor(rms_match, rms_scale, fan_in, fan_out)
 
-    leaves = [g for _, g in flat]
     if any(not b.is_whole for b in blocks):  # per head or per part (muon_blocks)
       new = orthogonalize_blocks(leaves, flat_mu, blocks, direction, rms, paths=paths,
                                  batch=batch, target=shard_orthogonalization, split=shard_split, ns_kwargs=ns_kwargs)
-      return jax.tree_util.tree_unflatten(treedef, new), ScaleByMuonState(mu=mu)
+      return jax.tree_util.tree_unflatten(treedef, new), state
     specs = [piece_dims(b, p, g.shape)[0] for b, p, g in zip(blocks, paths, leaves)]
 
     def finish(i, o):
@@ -311,6 +392,6 @@ def scale_by_muon(
                                          target=shard_orthogonalization, ns_kwargs=ns_kwargs, split=shard_split)
     else:
       new = orthogonalize_leaves(leaves, flat_mu, axes, direction, finish, batch=batch, **ns_kwargs)
-    return jax.tree_util.tree_unflatten(treedef, new), ScaleByMuonState(mu=mu)
+    return jax.tree_util.tree_unflatten(treedef, new), state
 
   return skip_frozen_leaves(optax.GradientTransformation(init_fn, update_fn))

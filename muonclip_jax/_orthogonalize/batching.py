@@ -110,7 +110,7 @@ def per_call(m: int, n: int, size: int, ns_kwargs: dict) -> int:
 
 def orthogonalize_leaves(gs: list, ms: list, specs: list, direction: Callable, finish: Callable, *,
                          batch: int | None, **ns_kwargs: Any) -> list:
-  """``finish(i, NewtonSchulz(direction(g_i, m_i)))`` for every leaf pair ``(g_i, m_i)``.
+  """``finish(i, NewtonSchulz(direction(i, g_i, m_i)))`` for every leaf pair ``(g_i, m_i)``.
 
   ``specs[i]`` is leaf ``i``'s ``(batch, fan_in, fan_out)`` axes; ``batch`` is ``ns_batch``
   (``None``: the default grouping of the module docstring). The calls (or stacks) run one
@@ -143,7 +143,7 @@ def orthogonalize_leaves(gs: list, ms: list, specs: list, direction: Callable, f
     looped = batch is None and len(chunk) > 1
     if done and not looped:  # wait for the previous call (see the docstring)
       raw = after(raw, done)
-    sources = [lambda i=i, g=g, m=m: to_matrices(direction(g, m), *specs[i], transpose=wide and tall[i])
+    sources = [lambda i=i, g=g, m=m: to_matrices(direction(i, g, m), *specs[i], transpose=wide and tall[i])
                for i, (g, m) in zip(chunk, raw)]
     if not looped:
       x = sources[0]() if len(chunk) == 1 else jnp.concatenate([f() for f in sources], axis=0)

@@ -306,7 +306,7 @@ def ns_flops_of(ns_kwargs: dict) -> Callable[[int, int], float]:
 
 def orthogonalize_leaves_sharded(gs: list, ms: list, axes: list, direction: Callable, finish: Callable, *,
                                  paths: Sequence[str], target: Any, ns_kwargs: dict, split: str = "auto") -> list:
-  """``finish(i, ns(direction(g_i, m_i)))`` for every leaf, distributed over ``target``'s mesh.
+  """``finish(i, ns(direction(i, g_i, m_i)))`` for every leaf, distributed over ``target``'s mesh.
 
   ``target`` is a ``Mesh`` or a pytree of ``NamedSharding`` matched to the leaves by
   ``paths`` (``scale_by_muon(shard_orthogonalization=target)``).
@@ -317,7 +317,7 @@ def orthogonalize_leaves_sharded(gs: list, ms: list, axes: list, direction: Call
     mesh = mesh_of(target)
     table = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(target)[0]}
     shardings = [table.get(p) for p in paths]
-  ds = [direction(g, m) for g, m in zip(gs, ms)]
+  ds = [direction(i, g, m) for i, (g, m) in enumerate(zip(gs, ms))]
   out = orthogonalize_sharded(ds, axes, lambda x: newton_schulz(x, **ns_kwargs), mesh=mesh,
                               shardings=shardings, flops=ns_flops_of(ns_kwargs), ns_kwargs=ns_kwargs,
                               shard_split=split)
