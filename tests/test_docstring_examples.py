@@ -17,6 +17,7 @@ import pytest
 import muonclip_jax as mc
 import muonclip_jax.nn as mcnn
 from muonclip_jax import sharding, training
+from _gemma_package import import_gemma
 
 
 def _public() -> dict[str, object]:
@@ -48,9 +49,15 @@ def test_the_public_names_are_found():
           "muonclip_jax.sharding.param_shardings", "muonclip_jax.training.make_train_step"} <= set(PUBLIC)
 
 
+# What a reader of an example has installed: the gemma package, whose kauldron dependency the
+# tests stand in for where it is absent (tests/_gemma_package.py).
+_SETUP = {"muonclip_jax.nn.capture_gemma": import_gemma}
+
+
 @pytest.mark.parametrize("name", sorted(PUBLIC))
 def test_example_runs(name):
   obj = PUBLIC[name]
+  _SETUP.get(name, lambda: None)()
   doc = obj.__doc__ or ""
   assert "Example:" in doc and ">>>" in doc.split("Example:", 1)[1], f"{name}: no `Example:` block with `>>>` lines"
   finder = doctest.DocTestFinder(recurse=False)

@@ -93,6 +93,20 @@ def _with_numpy(fn: types.FunctionType, numpy: Any) -> types.FunctionType:
 def capture_gemma() -> Iterator[None]:
   """Within it, every ``gemma`` package attention sows its per-head max logits (module docstring).
 
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from gemma import gm
+    >>> import muonclip_jax.nn as mcnn
+    >>> attn = gm.nn.Attention(num_heads=4, num_kv_heads=2, features=16, head_dim=8, use_qk_norm=True,
+    ...                        attn_type=gm.nn.AttentionType.GLOBAL, query_pre_attn_scalar=8 ** -0.5)
+    >>> x, positions = jnp.ones((1, 4, 16)), jnp.arange(4)[None]
+    >>> causal = jnp.tril(jnp.ones((1, 4, 4), bool))
+    >>> variables = attn.init(jax.random.key(0), x, positions, None, causal)
+    >>> with mcnn.capture_gemma():
+    ...   _, state = attn.apply(variables, x, positions, None, causal, mutable=["intermediates"])
+    >>> state["intermediates"]["max_logits"].shape
+    (4,)
+
   Raises:
     ImportError: ``gemma`` is not installed.
     ValueError: (at trace time) an attention soft-caps its logits (Gemma 2).
