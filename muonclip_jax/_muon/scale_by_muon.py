@@ -15,11 +15,12 @@ Finite gradients never overflow (issue 42): a constant gradient of 2e37 makes ``
 float32's largest (it tends to ``G / (1 - mu)``), and ``G + mu M_t`` does from ``G`` ~ 1.8e38.
 So each leaf's momentum is stored as ``M_t / s_t`` (``ScaleByMuonState``), ``s_t`` a power of
 two >= 1 chosen at each step (``rescale``, from the leaf's largest entries) so that ``M_t / s_t``
-stays below about a quarter of the dtype's largest and the direction ``(G_t + mu M_t) / s_t``
-below half; dividing by a power of two is exact, and ``NewtonSchulz`` is scale-invariant (up to its ``eps``, negligible there:
-``s_t > 1`` only when the direction's entries are near float32's largest, or float16's),
-so the update is that of the true ``M_t``. While ``s_t = 1`` (every run whose momentum fits,
-and again once a large one decays) the arithmetic is the plain formula above, bit for bit.
+stays below about half of the dtype's largest and the direction ``(G_t + mu M_t) / s_t``
+below about three quarters (the bound is in ``rescale``). Dividing by a power of two is
+exact, and ``NewtonSchulz`` is scale-invariant (up to its ``eps``, negligible there: ``s_t > 1``
+only when the direction's entries are near float32's largest, or float16's), so the update is
+that of the true ``M_t``. While ``s_t = 1`` (every run whose momentum fits, and again once a
+large one decays) the arithmetic is the plain formula above, bit for bit within a jitted update.
 """
 
 from __future__ import annotations
