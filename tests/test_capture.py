@@ -13,6 +13,7 @@ from flax import nnx
 
 from muonclip_jax.nn._capture import flax_private
 from muonclip_jax.nn import attention, dot_product_attention, dot_product_attention_weights, sow_max_logits
+from _exactness import assert_same_math
 
 
 def _normal(seed, *shape, scale=1.0):
@@ -79,11 +80,11 @@ def test_dot_product_attention_weights_is_flax_plus_max_logits():
   rng = jax.random.key(7)
   weights, state = jax.jit(lambda *a: _HFStyle().apply({}, *a, mutable=["intermediates"]))(q, k, bias, mask, rng)
   theirs = nn.dot_product_attention_weights(q, k, bias=bias, mask=mask, dropout_rng=rng, dropout_rate=0.25)
-  np.testing.assert_array_equal(weights, theirs)  # the same weights, dropout included
+  assert_same_math(weights, theirs)  # the same weights, dropout included
   s = np.einsum("bqhd,bkhd->bhqk", np.float64(q), np.float64(k)) / np.sqrt(8) + np.float64(bias)
   np.testing.assert_allclose(state["intermediates"]["max_logits"], _np_head_max(s, np.asarray(mask), 1), rtol=1e-5)
   # outside any module, or not captured: Flax's weights, nothing sown
-  np.testing.assert_array_equal(dot_product_attention_weights(q, k, mask=mask),
+  assert_same_math(dot_product_attention_weights(q, k, mask=mask),
                                 nn.dot_product_attention_weights(q, k, mask=mask))
   assert _HFStyle().apply({}, q, k, bias, mask, rng, mutable=["params"])[1] == {}
   # module= an NNX module under nnx.capture
@@ -193,4 +194,4 @@ def test_private_flax_apis_are_found_and_their_loss_is_loud(monkeypatch):
   monkeypatch.setattr(nnx, "capture", real_capture)
   flax_private._check_nnx.cache_clear()
   flax_private._check_nnx()
-  chex.assert_trees_all_equal(_Holder()(q, k, None), nn.dot_product_attention_weights(q, k))
+  assert_same_math(_Holder()(q, k, None), nn.dot_product_attention_weights(q, k))

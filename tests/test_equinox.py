@@ -23,6 +23,7 @@ from muonclip_jax import nn as mnn
 from muonclip_jax._clip import EMBEDDING, GAIN, MATRIX, VECTOR, leaf_roles
 from muonclip_jax._util import path_str
 from _child_env import child_env
+from _exactness import assert_same_math
 
 KEY = jax.random.key(0)
 
@@ -131,7 +132,7 @@ def test_equinox_attention_is_the_module_with_its_maxima():
               "per_head": np_max_logits(q, k, per_head), "process_heads": np_max_logits(2 * q, k, causal),
               "dropout": np_max_logits(q, k, causal)}
   for name, (out, max_logits, module_out) in results.items():
-    np.testing.assert_array_equal(out, module_out, err_msg=name)  # the module's own output, bit for bit
+    assert_same_math(out, module_out, err_msg=name)  # the module's own output
     assert max_logits.shape == (2,) and max_logits.dtype == jnp.float32
     np.testing.assert_allclose(max_logits, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
   assert not np.array_equal(results["dropout"][0], results["causal"][0])  # dropout did act
@@ -182,7 +183,7 @@ def test_square_out_in_kernels_with_nothing_declared_are_exact_or_refused(square
   # Equinox params: the Linear type tells (out, in); exactly what declaring it gives, and bounded
   by_type = mc.qk_clip(params, intermediates, qk_clip_threshold=tau, layout=undeclared)
   by_axes = mc.qk_clip(params, intermediates, qk_clip_threshold=tau, layout=declared)
-  jax.tree.map(np.testing.assert_array_equal, by_type, by_axes)
+  assert_same_math(by_type, by_axes)
   assert (maxima(by_type["attn"]) <= tau * (1 + 1e-5)).all()
   # the wrong reading reports 4 heads clipped and leaves some above tau: what the refusal prevents
   misread = maxima(mc.qk_clip(params, intermediates, qk_clip_threshold=tau, layout=wrong)["attn"])
@@ -305,7 +306,7 @@ def test_value_and_output_linears_are_cut_into_their_true_heads(eqx_attention):
     for name, lay in (("module", layout), ("leaf", leaf)):
       opt = mc.scale_by_muon(layout=lay, muon_blocks=blocks)
       updates[name] = jax.jit(opt.update)(grads, opt.init(params))[0]
-    chex.assert_trees_all_equal(updates["module"], updates["leaf"])
+    assert_same_math(updates["module"], updates["leaf"])
     for tree in ("single", "stacked"):
       got, g = updates["module"][tree], grads[tree]
       d = {n: 1.95 * getattr(g, n).weight for n in ("wq", "wk", "wv", "wo")}  # first Nesterov step: (1 + beta) g
@@ -333,7 +334,7 @@ def test_every_reader_takes_linears_named_by_module(eqx_attention):
   assert jax.tree.map(jnp.shape, maxima) == {"single": {"max_logits": (4,)}, "stacked": {"max_logits": (2, 4)}}
   maxima = {"single": {"max_logits": jnp.array([9.0, 1.0, 1.0, 4.0])},
             "stacked": {"max_logits": jnp.array([[1.0, 9.0, 1.0, 1.0], [1.0, 1.0, 1.0, 16.0]])}}
-  chex.assert_trees_all_equal(mc.qk_clip(params, maxima, qk_clip_threshold=2.0, layout=layout),
+  assert_same_math(mc.qk_clip(params, maxima, qk_clip_threshold=2.0, layout=layout),
                               mc.qk_clip(params, maxima, qk_clip_threshold=2.0, layout=by_axes))
   got = mc.attention_matrix_axes(layout)(params)
   want = mc.attention_matrix_axes(by_axes)(params)
@@ -345,7 +346,7 @@ def test_every_reader_takes_linears_named_by_module(eqx_attention):
     extra = {"max_logits": maxima}
     ua = jax.jit(a.update)(grads, a.init(params), params, **extra)[0]
     ub = jax.jit(b.update)(grads, b.init(params), params, **extra)[0]
-    chex.assert_trees_all_equal(ua, ub)
+    assert_same_math(ua, ub)
 
 
 def test_square_value_and_output_weights_in_a_plain_dict_are_refused():

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from muonclip_jax.nn import dot_product_attention as dpa
+from _exactness import assert_same_math
 
 
 def _qkv(rng, batch, tq, tk, h, d, hkv=None):
@@ -162,7 +163,7 @@ def test_nnx_module_sow_weights_hands_over_the_module():
   q, k = attn.query(x), attn.key(x)
   np.testing.assert_allclose(pure["max_logits"], np_max_logits(q, k, causal=True), rtol=1e-5)
   # outside nnx.capture: no sow, same output
-  chex.assert_trees_all_close(attn(x, sow_weights=True, is_causal=True), y, atol=0)
+  assert_same_math(attn(x, sow_weights=True, is_causal=True), y)
 
 
 def test_bad_inputs():

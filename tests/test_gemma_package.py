@@ -34,6 +34,7 @@ import muonclip_jax.nn as mcnn
 from _gemma_package import import_gemma
 from test_recipes import (LR, check_clip_bounds, check_step, flat, replaying_inputs, sown_by_layer,
                           tau_between)
+from _exactness import assert_same_math
 
 
 layers, modules = import_gemma()
@@ -133,7 +134,7 @@ def measured():
 
 def test_capture_changes_no_output_and_sows_only_when_asked(measured):
   params, tokens, intermediates, _, _, plain, captured, state = measured
-  np.testing.assert_array_equal(captured, plain)
+  assert_same_math(captured, plain)
   assert set(state["intermediates"]) == {"layer_0", "layer_1"}
   assert set(state["intermediates"]["layer_0"]["attn"]) == {"max_logits"}
   _, without = MODEL.apply({"params": params}, tokens[:, :-1], mutable=["intermediates"])

@@ -25,6 +25,7 @@ from flax import nnx
 import muonclip_jax as mc
 from muonclip_jax._muon import muon_blocks_lookup
 from muonclip_jax._util import is_box, leaf_shape, path_str
+from _exactness import assert_same_math
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
@@ -125,7 +126,7 @@ def test_muonclip_with_the_layout_alone_updates_as_with_attention_matrix_axes():
   layout = dataclasses.replace(cfg.layout, out=out)
   new = mc.muon_adamw(1e-2, layout=layout)
   old = mc.muon_adamw(1e-2, matrix_axes=mc.attention_matrix_axes(cfg.layout, out=out))
-  chex.assert_trees_all_equal(jax.jit(new.update)(grads, new.init(params), params)[0],
+  assert_same_math(jax.jit(new.update)(grads, new.init(params), params)[0],
                               jax.jit(old.update)(grads, old.init(params), params)[0])
   with pytest.raises(ValueError, match="layer_0/attn/attn_vec_einsum/w: Muon needs to know which axes"):
     mc.muon_adamw(1e-2).init(params)  # without either
@@ -168,7 +169,7 @@ def test_per_head_muon_without_the_clip_on_heads_nothing_clips():
 # ----------------------------------------------------------------------------- bad input
 
 def test_value_and_output_heads_of_another_width_are_told_the_remedy_that_works():
-  """Issue 42: a GQA value projection whose heads are not head_dim wide was refused with advice to
+  """A GQA value projection whose heads are not head_dim wide used to be refused with advice to
   declare axes=, which cannot fix it. Where no reading of its sizes holds the heads, the error
   says so and gives value=None (out=None for the output projection), which works."""
   lay = mc.GQALayout(4, 2, 8)  # value heads of 12 columns below, not 8

@@ -13,6 +13,7 @@ from flax import nnx
 
 import muonclip_jax as mc
 from muonclip_jax._muon import axes_from_names, matrix_axes_lookup
+from _exactness import assert_same_math
 
 MDN = optax.contrib.MuonDimensionNumbers
 KELLER = dict(ns_coeffs="muon", ns_steps=5, ns_method="standard")
@@ -43,7 +44,7 @@ def test_muon_dimension_numbers_equal_matrix_axes(form):
   want, _ = mc.scale_by_muon(matrix_axes=ours, **KELLER).update(g, mc.scale_by_muon(matrix_axes=ours).init(g))
   opt = mc.scale_by_muon(matrix_axes=theirs, **KELLER)
   got, _ = opt.update(g, opt.init(g))
-  chex.assert_trees_all_equal(got, want)
+  assert_same_math(got, want)
 
 
 def test_bad_spec_leaf_names_its_path():
@@ -106,7 +107,7 @@ def test_linen_logical_names_decide_the_matrices_and_vocab_goes_to_adamw():
                                            "mlp": {"kernel": mc.MatrixAxes((-2,), (-1,))}}, **KELLER)
   want, _ = explicit.update(nn.unbox(grads), explicit.init(nn.unbox(params)))
   got, _ = named.update(grads, named.init(params))
-  chex.assert_trees_all_equal(nn.unbox(got), want)
+  assert_same_math(nn.unbox(got), want)
   # the whole optimizer keeps the boxes and routes through them
   opt = mc.muon_adamw(1e-2, **KELLER)
   updates, state = opt.update(full_grads, opt.init(full), full)
@@ -129,7 +130,7 @@ def test_nnx_sharding_metadata_is_read():
   want, _ = mc.scale_by_muon(matrix_axes=mc.MatrixAxes((0,), (1, 2))).update(g, mc.scale_by_muon(
       matrix_axes=mc.MatrixAxes((0,), (1, 2))).init(g))
   opt = mc.scale_by_muon(matrix_axes={"kernel": axes["kernel"]})
-  chex.assert_trees_all_equal(opt.update(g, opt.init(g))[0], want)
+  assert_same_math(opt.update(g, opt.init(g))[0], want)
 
 
 def test_undeclared_rank3_gives_both_hints():

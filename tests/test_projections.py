@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import muonclip_jax as mc
 from muonclip_jax import GQALayout, MLALayout, qk_clip
+from _exactness import assert_same_math
 
 # ----------------------------------------------------------------------------- forms (test side)
 
@@ -195,7 +196,7 @@ def test_every_form_matches_the_numpy_rule(case, stack, bias, seed):
 @pytest.mark.parametrize("lay", [GQALayout(4, 2, 3), GQALayout(4, 2, 3, "query"), MLALayout(3, 2, 2, 3)],
                          ids=["gqa-split", "gqa-query", "mla"])
 def test_2d_and_dense_general_clip_to_the_same_values(lay, stack):
-  """The same weights laid out as 2-D and as DenseGeneral kernels clip to the same bits."""
+  """The same weights laid out as 2-D and as DenseGeneral kernels clip to the same values (``_exactness``)."""
   names = ("wq", "wk") if isinstance(lay, GQALayout) else ("wq_b", "wkv_b")
   s = random_maxima(0, (*stack, lay.num_heads), 3.0)
   results = {}
@@ -203,7 +204,7 @@ def test_2d_and_dense_general_clip_to_the_same_values(lay, stack):
     params, canon = make_case(7, lay, dict.fromkeys(names, form), stack=stack)
     out = qk_clip(params, {"attn": {"max_logits": s}}, qk_clip_threshold=3.0, layout=lay)
     results[form] = read_back(out, lay, dict.fromkeys(names, form))
-  chex.assert_trees_all_equal(results["2d"], results["dense_general"])
+  assert_same_math(results["2d"], results["dense_general"])
   assert any(not np.array_equal(results["2d"][r][0], canon[r][0]) for r in results["2d"])  # it clipped
 
 
@@ -218,7 +219,7 @@ def test_fused_forms_clip_like_separate_projections(stack):
     fused_lay = GQALayout(3, 3, 2, qkv="c_attn")
     params, canon = make_case(3, fused_lay, {"c_attn": form}, stack=stack)
     got = read_back(qk_clip(params, ml, qk_clip_threshold=3.0, layout=fused_lay), fused_lay, {"c_attn": form})
-    chex.assert_trees_all_equal({r: got[r] for r in ("query", "key")}, expected)
+    assert_same_math({r: got[r] for r in ("query", "key")}, expected)
     chex.assert_trees_all_equal(got["value"], canon["value"])
 
 
@@ -299,7 +300,7 @@ def test_nnx_multi_head_attention_state():
   out = qk_clip(state, ml, qk_clip_threshold=3.0, layout=FLAX_LAYOUT)
   assert isinstance(out, nnx.State) and jax.tree.structure(out) == jax.tree.structure(state)
   pure_in, pure_out = nnx.to_pure_dict(state), nnx.to_pure_dict(out)
-  chex.assert_trees_all_equal(pure_out, qk_clip(pure_in, ml, qk_clip_threshold=3.0, layout=FLAX_LAYOUT))
+  assert_same_math(pure_out, qk_clip(pure_in, ml, qk_clip_threshold=3.0, layout=FLAX_LAYOUT))
   _check_against_reference(pure_out, pure_in, ml, np.float32(3.0), ["l0", "l1"])
 
 
@@ -526,7 +527,7 @@ def test_apply_output_pair_as_max_logits_says_what_was_expected():
   with pytest.raises(TypeError, match=expected):
     acc.update(grads, acc.init(params), params, max_logits=out)
   # the pair's second element is what was expected
-  chex.assert_trees_all_equal(qk_clip(params, out[1], qk_clip_threshold=0.01, layout=lay),
+  assert_same_math(qk_clip(params, out[1], qk_clip_threshold=0.01, layout=lay),
                               qk_clip(params, out[1]["intermediates"], qk_clip_threshold=0.01, layout=lay))
   # nnx.capture's (y, intermediates) pair
   model = _NNXModel(nnx.Rngs(0))

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import muonclip_jax as mc
 from muonclip_jax import GQALayout, MLALayout, qk_clip, qk_clip_stats
+from _exactness import assert_same_math
 
 # Threshold as a fraction of the largest S_max: 1.0 puts tau exactly on a head's maximum.
 _FRACTIONS = st.sampled_from([0.05, 0.3, 0.6, 0.9, 1.0, 1.5])
@@ -360,7 +361,7 @@ def test_stacked_layers_match_per_layer(stack, lay):
       qk_clip_threshold=tau,
       layout=lay,
   )
-  chex.assert_trees_all_equal(stacked, stack_tree(per_layer))
+  assert_same_math(stacked, stack_tree(per_layer))
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -460,7 +461,7 @@ def test_dense_general_kernels_sharded_over_heads(lay, axis_type):
     ml_sharded = jax.device_put(ml, NamedSharding(mesh, P()))
     out = fn(sharded, ml_sharded)
     hlo = fn.lower(sharded, ml_sharded).compile().as_text()
-  chex.assert_trees_all_equal(out, expected)
+  assert_same_math(out, expected)
   jax.tree.map(_assert_same_sharding, out, sharded)
   for name in widths:
     assert params["attn"][name]["kernel"].ndim == 4 and params["attn"][name]["bias"].ndim == 3
@@ -619,7 +620,7 @@ def test_nnx_state():
   assert jax.tree.structure(out) == jax.tree.structure(state)
   assert isinstance(out["attn"]["wq"]["kernel"], nnx.Param)
   plain = qk_clip(nnx.to_pure_dict(state), {"attn": {"max_logits": s}}, qk_clip_threshold=tau, layout=lay)
-  chex.assert_trees_all_equal(nnx.to_pure_dict(out), plain)
+  assert_same_math(nnx.to_pure_dict(out), plain)
   nnx.update(model, out)
   new = np.asarray(nnx.capture(model, nnx.Intermediate)(x)[0])
   assert np.all(new <= tau * (1 + _TOL))
@@ -636,11 +637,11 @@ def test_layout_mapping():
   ml = {"dec": {"l0": {"attn": {"max_logits": np.array([1.0, 9.0])}},
                 "l1": {"attn": {"max_logits": np.array([9.0, 1.0, 1.0, 1.0])}}}}
   out = qk_clip(params, ml, qk_clip_threshold=3.0, layout={"dec/l0/*": mla, "*/l1/attn": gqa})
-  chex.assert_trees_all_equal(
+  assert_same_math(
       out["dec"]["l0"],
       qk_clip(p_mla, {"attn": {"max_logits": np.array([1.0, 9.0])}}, qk_clip_threshold=3.0, layout=mla),
   )
-  chex.assert_trees_all_equal(
+  assert_same_math(
       out["dec"]["l1"],
       qk_clip(p_gqa, {"attn": {"max_logits": np.array([9.0, 1.0, 1.0, 1.0])}}, qk_clip_threshold=3.0, layout=gqa),
   )
@@ -667,13 +668,13 @@ def test_root_module():
   lay = GQALayout(2, 2, 2)
   params, _ = _gqa_case(0, lay)
   out = qk_clip(params["attn"], {"max_logits": np.array([9.0, 1.0])}, qk_clip_threshold=3.0, layout=lay)
-  chex.assert_trees_all_equal(
+  assert_same_math(
       out, qk_clip(params, {"attn": {"max_logits": np.array([9.0, 1.0])}}, qk_clip_threshold=3.0, layout=lay)["attn"]
   )
 
 
 def test_raw_square_arrays_of_an_unknown_equinox_module_are_refused_or_exact():
-  """Issue 42.1: a custom eqx.Module holding its q/k projections as raw (heads * head_dim, width) arrays,
+  """A custom eqx.Module holding its q/k projections as raw (heads * head_dim, width) arrays,
   used as x @ w.T like eqx.nn.Linear. Undeclared and square, (in, out) and (out, in) both fit: refused,
   whatever the leaf's name (the clip scaled input columns: maxima [42.2, 15.6] -> [33.6, 13.5], not tau).
   Declared (out, in): exact. The same arrays in a plain dict keep Flax's (in, out) convention."""

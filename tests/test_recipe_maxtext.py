@@ -82,7 +82,7 @@ def test_recipe_maxtext_scanned():
   gamma = np.where(maxima > tau, tau / maxima, 1.0)  # (layers, heads)
   name = "layers/self_attention/query/kernel"
   expected = {name: np.asarray(flat(p_ref)[name], np.float64) * gamma[None, :, :, None]}
-  check_step(p_clip, p_ref, expected)  # every other leaf, value and out included, bit for bit
+  check_step(p_clip, p_ref, expected)  # every other leaf, value and out included: muon_adamw's
   # 3. after the clip, each layer recomputed on its same input: clipped heads <= tau, others bit for bit
   clipped = mc.qk_clip(params, reduced, qk_clip_threshold=tau, layout=cfg.layout)
   before = _layer_maxima(cfg, attn, store_x)

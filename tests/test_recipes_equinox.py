@@ -7,7 +7,7 @@ calls ``eqx.combine``) with two microbatches:
    NumPy's scaled, causally masked logits of the q and k that reached the attention;
 2. one ``muonclip`` step equals a ``muon_adamw`` step followed by the per-head rule applied in
    NumPy to the ``(out, in)`` storage of the ``Linear`` weights (rows of a head, and its bias);
-   every other leaf is bit for bit ``muon_adamw``'s;
+   every other leaf is ``muon_adamw``'s (``_exactness.assert_same_math``);
 3. the same step sharded on 8 devices (batch over ``data``, weights' output rows over
    ``model``) equals the single-device step;
 4. after ``qk_clip`` with those maxima, layer 0 recomputed on the same batch gives every clipped
@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import muonclip_jax as mc
 from muonclip_jax import sharding, training
 from muonclip_jax._clip import nest_max_logits
-from _exactness import assert_same_computation
+from _exactness import assert_same_math
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -109,7 +109,7 @@ def check_recipe(mod, cfg, model, layout, probe, expected_fn, group):
   p_clip, _, m_clip = jax.jit(step)(params, clip.init(params), tokens)
   assert int(m_clip["num_clipped"]) == int((maxima > tau).sum()) > 0
   for m in modules:  # the same forward pass in both programs
-    assert_same_computation(m_clip["max_logits"][m], m_ref["max_logits"][m], err_msg=m)
+    assert_same_math(m_clip["max_logits"][m], m_ref["max_logits"][m], err_msg=m)
   fq, fk = clip_factors_np(maxima, tau, group)
   check_step(p_clip, p_ref, expected_fn(flat(p_ref), fq, fk))
   # 3. sharded on 8 devices = one device

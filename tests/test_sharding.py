@@ -16,7 +16,7 @@ import muonclip_jax as mc
 from muonclip_jax import sharding, training
 from muonclip_jax._orthogonalize import newton_schulz
 from muonclip_jax._clip import collect_max_logits
-from _exactness import legacy_emitters
+from _exactness import assert_same_math
 from _tiny_lm import CFG, init_params, make_loss_fn, matrix_axes
 from mla_lm import logical_axes
 
@@ -316,10 +316,8 @@ def test_distributed_newton_schulz_flops_and_result(mesh_name, monkeypatch):
   ratio = compiled.cost_analysis()["flops"] / ref.cost_analysis()["flops"]
   assert ratio <= 0.15, ratio
   out, new_state = compiled(sg, state, sp)
-  # The same maths summed in other orders: within 2e-6 under the default emitters; 5e-6
-  # measured under the legacy ones (_exactness).
-  chex.assert_trees_all_close(jax.device_get(out), jax.device_get(ref(grads, single.init(params), params)[0]),
-                              atol=1e-5 if legacy_emitters() else 2e-6)
+  # The same maths summed in other orders (_exactness).
+  assert_same_math(jax.device_get(out), jax.device_get(ref(grads, single.init(params), params)[0]))
   for a, b in zip(jax.tree.leaves(out) + jax.tree.leaves(new_state), jax.tree.leaves(sp) * 2):
     assert _same_sharding(a, b)
   found = _collectives(compiled)

@@ -120,7 +120,7 @@ def test_tau_schedule_in_muonclip_and_in_make_train_step():
   schedule = optax.linear_schedule(3.0, 1.5, 2)  # 3.0, 2.25, 1.5
   opt = mc.muonclip(0.05, layout=MLA.layout, qk_clip_threshold=schedule, matrix_axes=AXES)
   # no qk_clip_threshold, no layout: the metrics and the exact clip take the optimizer's tau of
-  # the step, and its layout (issue 42: layout= was required though muonclip holds one)
+  # the step, and its layout (layout= is not needed: muonclip holds one)
   step = jax.jit(training.make_train_step(loss_fn, opt, exact_clip=True))
   state, p = opt.init(params), params
   for t, batch in enumerate(batches(3)):

@@ -65,7 +65,8 @@ def dot_product_attention_weights(
   supported (ValueError unless None).
 
   Returns:
-    Flax's attention weights ``(*batch, heads, q_length, kv_length)``, bit for bit.
+    Flax's attention weights ``(*batch, heads, q_length, kv_length)``, computed by Flax's own
+    function.
 
   Example:
     >>> import flax.linen as nn
