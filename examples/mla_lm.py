@@ -316,3 +316,23 @@ def update_routing_bias(params: Any, expert_load: jax.Array, speed: float) -> An
 # the last two axes are the matrix, leading axes are a stack of independent matrices. (The
 # demo reads the same from the logical names instead: ``logical_matrix_axes``.)
 MATRIX_AXES = mc.MatrixAxes((-2,), (-1,))
+
+
+def with_balancing(step_fn, speed: float):
+  """The train step, then DeepSeek-V3's balancing rule on the routing bias (``update_routing_bias``),
+  from the step's expert load (``metrics["aux"]["expert_load"]``), outside the gradient."""
+
+  def step(params, state, batch):
+    params, state, metrics = step_fn(params, state, batch)
+    return update_routing_bias(params, metrics["aux"]["expert_load"], speed), state, metrics
+
+  return step
+
+
+def adamw_keeping_frozen(learning_rate, params):
+  """``optax.adamw`` on every leaf but those ``muon_labels`` calls ``"frozen"`` (the routing
+  bias), which keep their value: plain ``optax.adamw`` would decay them (weight decay acts
+  on a zero gradient too)."""
+  labels = jax.tree.map(lambda label: "frozen" if label == "frozen" else "adamw", mc.muon_labels(params))
+  return optax.partition({"adamw": optax.adamw(learning_rate, b1=0.9, b2=0.95, weight_decay=0.1),
+                          "frozen": optax.set_to_zero()}, labels)

@@ -218,32 +218,6 @@ LR_ADAMW, LR_MUON = 3e-3, 0.02
 BIAS_SPEED = 0.01  # DeepSeek-V3 uses 0.001 over 14.8T tokens; a 300-step run needs a faster rule
 
 
-def adamw_keeping_frozen(learning_rate, params):
-  """``optax.adamw`` on every leaf but those ``muon_labels`` calls ``"frozen"`` (the routing
-  bias), which keep their value: plain ``optax.adamw`` would decay them (weight decay acts
-  on a zero gradient too)."""
-  import jax
-  import optax
-
-  import muonclip_jax as mc
-
-  labels = jax.tree.map(lambda label: "frozen" if label == "frozen" else "adamw", mc.muon_labels(params))
-  return optax.partition({"adamw": optax.adamw(learning_rate, b1=0.9, b2=0.95, weight_decay=0.1),
-                          "frozen": optax.set_to_zero()}, labels)
-
-
-def with_balancing(step_fn, speed: float):
-  """The train step, then DeepSeek-V3's balancing rule on the routing bias (``update_routing_bias``),
-  from the step's expert load (``metrics["aux"]["expert_load"]``), outside the gradient."""
-  from mla_lm import update_routing_bias
-
-  def step(params, state, batch):
-    params, state, metrics = step_fn(params, state, batch)
-    return update_routing_bias(params, metrics["aux"]["expert_load"], speed), state, metrics
-
-  return step
-
-
 class Placement:
   """Where params, optimizer state and batches live: one device, or a DATA x EXPERT x MODEL mesh."""
 
@@ -356,7 +330,7 @@ def run(args) -> int:
 
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import muonclip_jax as mc
-  from mla_lm import init_params, logical_matrix_axes, make_loss_fn
+  from mla_lm import adamw_keeping_frozen, init_params, logical_matrix_axes, make_loss_fn, with_balancing
   from muonclip_jax import training
 
   cfg = demo_config(args.experts)
@@ -394,7 +368,7 @@ def run(args) -> int:
   table = format_table(results, args.tau)
   print("\n" + table)
   with open(os.path.join(args.out, "summary.txt"), "w") as f:
-    f.write(table + "\n")
+    f.write(table + "\n" + MACHINE_NOTE + "\n")
   report_path = os.path.join(args.out, "report.png")
   plot(args.out, args.optimizers, args.tau, report_path)
   print(f"metrics: {args.out}/<optimizer>/metrics.jsonl; report: {report_path}")
@@ -431,6 +405,16 @@ def summarize(records, num_heads_total, sec_per_step):
           max(max(layer) / (sum(layer) / len(layer)) for layer in r["expert_load"]) for r in records[-10:])
           / len(records[-10:])),
   }
+
+
+# Written under the table: its digits are this machine's (docs/results.md gives the spread
+# measured across CPUs and XLA flags, and tests/test_demo.py checks the claims below).
+MACHINE_NOTE = (
+    "These digits are this machine's: another CPU, or other XLA flags, rounds float32 sums "
+    "differently, and 300 steps (with top-2 routing) amplify that. What holds on any machine: Muon "
+    "alone takes the highest max logit well above tau, MuonClip holds it near tau with far fewer "
+    "steps above it, both end well below AdamW's loss and within about 0.04 of each other, and the "
+    "balancing rule keeps every layer's experts near even.")
 
 
 def format_table(results, tau):
