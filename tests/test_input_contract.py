@@ -82,11 +82,11 @@ def test_boolean_options_refuse_strings_numbers_and_none():
 
 
 def test_negative_constant_learning_rates_are_refused():
-  with pytest.raises(ValueError, match=r"learning_rate must be >= 0.0, got -0.1"):
+  with pytest.raises(ValueError, match=r"learning_rate must be >= 0.0 and < inf, got -0.1"):
     mc.muon(-0.1)
-  with pytest.raises(ValueError, match=r"learning_rate must be >= 0.0, got -0.02"):
+  with pytest.raises(ValueError, match=r"learning_rate must be >= 0.0 and < inf, got -0.02"):
     mc.muonclip(-0.02, layout=LAYOUT)
-  with pytest.raises(ValueError, match=r"adam_learning_rate must be >= 0.0, got -0.001"):
+  with pytest.raises(ValueError, match=r"adam_learning_rate must be >= 0.0 and < inf, got -0.001"):
     mc.muon_adamw(0.02, adam_learning_rate=-1e-3)
   mc.muon_adamw(0.0, adam_learning_rate=optax.linear_schedule(0.0, 1e-3, 10))  # 0 and schedules are taken
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -89,8 +91,8 @@ def muon(
     >>> optax.apply_updates(params, updates)["w"].shape
     (4, 8)
   """
-  check_number("learning_rate", learning_rate, low=0.0, schedule=True)
-  check_number("weight_decay", weight_decay, low=0.0, schedule=True)
+  check_number("learning_rate", learning_rate, low=0.0, high=math.inf, high_open=True, schedule=True)
+  check_number("weight_decay", weight_decay, low=0.0, high=math.inf, high_open=True, schedule=True)
   return skip_frozen_leaves(optax.chain(
       scale_by_muon(beta, nesterov=nesterov, ns_steps=ns_steps, ns_coeffs=ns_coeffs, ns_method=ns_method,
                     ns_normalize=ns_normalize, ns_restarts=ns_restarts, ns_batch=ns_batch, eps=eps,
@@ -213,12 +215,13 @@ def muon_adamw(
       rms_match=rms_match, rms_scale=rms_scale, matrix_axes=matrix_axes, layout=layout, muon_blocks=muon_blocks,
       shard_orthogonalization=shard_orthogonalization, shard_split=shard_split)
   adam_wd = weight_decay if adam_weight_decay is None else adam_weight_decay
-  check_number("adam_weight_decay", adam_wd, low=0.0, schedule=True)
+  check_number("adam_weight_decay", adam_wd, low=0.0, high=math.inf, high_open=True, schedule=True)
   if adam_learning_rate is not None:
-    check_number("adam_learning_rate", adam_learning_rate, low=0.0, schedule=True)
-  check_number("adam_b1", adam_b1, low=0.0, high=1.0)
-  check_number("adam_b2", adam_b2, low=0.0, high=1.0)
-  check_number("adam_eps", adam_eps, low=0.0)
+    check_number("adam_learning_rate", adam_learning_rate, low=0.0, high=math.inf, high_open=True,
+                 schedule=True)
+  check_number("adam_b1", adam_b1, low=0.0, high=1.0, high_open=True)  # 1: Adam divides by 1 - b1^t = 0
+  check_number("adam_b2", adam_b2, low=0.0, high=1.0, high_open=True)
+  check_number("adam_eps", adam_eps, low=0.0, high=math.inf, high_open=True)
   transforms = {
       MUON: muon_half,
       ADAM: optax.adamw(

@@ -11,7 +11,7 @@ with the RMS factor ``r`` of ``rms_match``: Moonlight's ``rms_scale * sqrt(max(f
 fan_out))`` (rms_scale = 0.2 makes the update RMS match AdamW's, so AdamW hyperparameters
 transfer), Keller Jordan's ``sqrt(max(1, fan_out / fan_in))``, or 1.
 
-Finite gradients never overflow (issue 42): a constant gradient of 2e37 makes ``M_t`` pass
+Finite gradients never overflow: a constant gradient of 2e37 makes ``M_t`` pass
 float32's largest (it tends to ``G / (1 - mu)``), and ``G + mu M_t`` does from ``G`` ~ 1.8e38.
 So each leaf's momentum is stored as ``M_t / s_t`` (``ScaleByMuonState``), ``s_t`` a power of
 two >= 1 chosen at each step (``rescale``, from the leaf's largest entries) so that ``M_t / s_t``
@@ -20,7 +20,8 @@ below about three quarters (the bound is in ``rescale``). Dividing by a power of
 exact, and ``NewtonSchulz`` is scale-invariant (up to its ``eps``, negligible there: ``s_t > 1``
 only when the direction's entries are near float32's largest, or float16's), so the update is
 that of the true ``M_t``. While ``s_t = 1`` (every run whose momentum fits, and again once a
-large one decays) the arithmetic is the plain formula above, bit for bit within a jitted update.
+large one decays) the arithmetic is the plain formula above: the same operations, no
+multiplication by 1, so it rounds as the unscaled formula does.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax import lax
 
 from .._util import check_bool, check_number, MatrixAxesSpec, MetadataMemo, path_str, skip_frozen_leaves
 from .._orthogonalize import (check_target, orthogonalize_leaves, orthogonalize_leaves_sharded, resolve_coeffs,
@@ -85,12 +88,16 @@ def scale_dtype(dtype: Any) -> Any:
 
 
 def in_units(g: jax.Array, s: jax.Array) -> jax.Array:
-  """``g / s`` for a power of two ``s`` (exact), and ``g`` itself (selected) where ``s == 1``."""
-  return jnp.where(s == 1, g, (g.astype(s.dtype) / s).astype(g.dtype))
+  """``g / s`` for a power of two ``s`` (exact), and ``g`` itself (selected) where ``s == 1``.
+
+  Written in ``lax`` (as ``rescale``): it is traced once per leaf, and each ``jnp`` call is a
+  nested ``jit`` that costs tracing time on a model of hundreds of leaves."""
+  dt = s.dtype
+  return lax.select(lax.eq(s, np.ones((), dt)), g, lax.div(g.astype(dt), s).astype(g.dtype))
 
 
-def rescale(m: jax.Array, g: jax.Array, s: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``(m_in, s_new)``: one leaf's momentum in the units of its new ``mu_scale``, and that scale.
+def rescale(ms: list, gs: list, ss: list) -> list[tuple[jax.Array, jax.Array]]:
+  """``[(m_in, s_new)]``: each leaf's momentum in the units of its new ``mu_scale``, and that scale.
 
   The true momentum is ``m * s = m_in * s_new``; the gradient in those units is ``g_in =
   in_units(g, s_new)``. Both are exact: ``s`` and ``s_new`` are powers of two (only entries
@@ -108,16 +115,45 @@ def rescale(m: jax.Array, g: jax.Array, s: jax.Array) -> tuple[jax.Array, jax.Ar
   ``f`` in [0.5, 1)), except that it never grows while ``a <= T``: it goes back to 1 once the
   momentum decays. A non-finite ``a`` keeps ``s``. Where ``s_new == s == 1`` the inputs are
   returned as they are (selected, not multiplied by 1, so that ``beta * m + g`` downstream
-  keeps its exact form and rounding: the plain formula, bit for bit).
+  keeps its exact form and rounding: the plain formula's operations).
+
+  Per leaf this is one fused reduction (``a``), a few scalar integer operations on ``a``'s
+  exponent bits (``_power_of_two_below``) and a select: a deep unscanned model has hundreds of
+  leaves, and per-leaf scalar code (``frexp``/``ldexp``, or a vector of all leaves' scalars
+  that every leaf then reads) multiplied the update's compile time (``benchmarks/RESULTS.md``,
+  "Compile time on deep unscanned models").
   """
-  x = min(jnp.finfo(m.dtype).maxexp, jnp.finfo(g.dtype).maxexp)
-  dt, one = s.dtype, jnp.ones((), s.dtype)
-  a = jnp.maximum(jnp.max(jnp.abs(m)).astype(dt), jnp.max(jnp.abs(g)).astype(dt) / s)
-  c = jnp.ldexp(one, x - 3 - jnp.frexp(a)[1])  # the largest power of two with a c < T
-  c = jnp.where(a > 2.0 ** (x - 3), c, jnp.clip(c, 1, s))  # down below T; else back up towards s_new = 1
-  c = jnp.where(jnp.isfinite(a), c, one)
-  s_new = s / c
-  return jnp.where(c == 1, m, (m.astype(dt) * c).astype(m.dtype)), s_new
+  out = []
+  for m, g, s in zip(ms, gs, ss):
+    x = min(jnp.finfo(m.dtype).maxexp, jnp.finfo(g.dtype).maxexp)
+    dt, one = s.dtype, np.ones((), s.dtype)
+    # max(max|m|, max|g| / s) in one reduction: s is a power of two, so dividing each entry
+    # first gives the same maximum
+    a = lax.reduce_max(lax.max(lax.abs(m.astype(dt)), lax.div(lax.abs(g.astype(dt)), s)), tuple(range(m.ndim)))
+    # c: the largest power of two with a c < T; below 1 (s grows) only where a > T. Where
+    # a <= T, c >= 1 and s / c must stay >= 1: min(c, s) lets s fall back towards 1 but not past it
+    c = lax.select(lax.is_finite(a), lax.min(_power_of_two_below(a, x - 3), s), one)
+    out.append((lax.select(lax.eq(c, one), m, lax.mul(m.astype(dt), c).astype(m.dtype)), lax.div(s, c)))
+  return out
+
+
+def _power_of_two_below(a: jax.Array, t: int) -> jax.Array:
+  """``2^(t - k)`` for ``a = f 2^k``, ``f`` in [0.5, 1) (``frexp``'s ``k``): the largest power of
+  two ``c`` with ``a c < 2^t``, for a finite ``a > 0`` of a normal exponent; clamped to the
+  dtype's normal powers of two (so a zero or subnormal ``a`` gives the largest, ``2^bias``,
+  where ``ldexp`` would give inf: ``rescale`` then clips it to ``s`` all the same).
+
+  Read from ``a``'s exponent bits: ``a``'s biased exponent ``e`` gives ``k = e - bias + 1``,
+  and ``c``'s biased exponent is ``t - k + bias``. A handful of integer operations, where
+  ``frexp`` and ``ldexp`` are a few dozen (they handle subnormals and signs, which ``a`` never
+  needs).
+  """
+  info = jnp.finfo(a.dtype)
+  bias, itype = info.maxexp - 1, np.dtype(f"int{info.bits}")
+  const = lambda v: np.asarray(v, itype)  # noqa: E731
+  e = lax.shift_right_logical(lax.bitcast_convert_type(a, itype), const(info.nmant))
+  ec = lax.clamp(const(1), lax.sub(const(t - 1 + 2 * bias), e), const(2 * bias))
+  return lax.bitcast_convert_type(lax.shift_left(ec, const(info.nmant)), a.dtype)
 
 
 def rms_factor(rms_match: str | None, rms_scale: Any, fan_in: int, fan_out: int) -> Any:
@@ -327,8 +363,8 @@ def scale_by_muon(
   batch = None if ns_batch is None else int(ns_batch)
   check_bool("nesterov", nesterov)
   check_number("beta", beta, low=0.0, high=1.0, high_open=True)
-  check_number("rms_scale", rms_scale, low=0.0)
-  check_number("eps", eps, low=0.0)
+  check_number("rms_scale", rms_scale, low=0.0, high=math.inf, high_open=True)
+  check_number("eps", eps, low=0.0, high=math.inf, high_open=True)
   if rms_match not in RMS_MODES:
     raise ValueError(f"rms_match must be one of {RMS_MODES}, got {rms_match!r}")
   ns_kwargs = dict(steps=ns_steps, coeffs=ns_coeffs, eps=eps, compute_dtype=compute_dtype, method=ns_method,
@@ -358,8 +394,7 @@ def scale_by_muon(
     lookup = blocks_of(updates) if table is None else (lambda p, _: table[p])
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     leaves = [g for _, g in flat]
-    scaled = [rescale(m, g, s) for m, g, s in zip(treedef.flatten_up_to(state.mu), leaves,
-                                                   treedef.flatten_up_to(state.mu_scale))]
+    scaled = rescale(treedef.flatten_up_to(state.mu), leaves, treedef.flatten_up_to(state.mu_scale))
     scales = [s for _, s in scaled]
     # M_t / s_t in mu's dtype; the gradient is divided by s_t where it is read (here and in the
     # direction), never stored: no temporary per leaf
