@@ -121,7 +121,7 @@ def rescale(ms: list, gs: list, ss: list) -> list[tuple[jax.Array, jax.Array]]:
   exponent bits (``_power_of_two_below``) and a select: a deep unscanned model has hundreds of
   leaves, and per-leaf scalar code (``frexp``/``ldexp``, or a vector of all leaves' scalars
   that every leaf then reads) multiplied the update's compile time (``benchmarks/RESULTS.md``,
-  "Compile time on deep unscanned models").
+  "The scaled momentum's compile time").
   """
   out = []
   for m, g, s in zip(ms, gs, ss):
