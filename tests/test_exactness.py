@@ -29,7 +29,7 @@ def _both(fn, x):
   return got, exact
 
 
-@pytest.mark.parametrize("coeffs", ["muon", "polar_express_4", "deepseek_v4"])
+@pytest.mark.parametrize("coeffs", ["muon", "polar_express", "polar_express_4", "deepseek_v4"])
 @pytest.mark.parametrize("method", ["standard", "auto"])
 def test_one_float32_newton_schulz_is_within_half_the_bound_of_float64(coeffs, method):
   """The standard iteration on Gaussian and ill-conditioned inputs (measured: at most 43

@@ -232,7 +232,7 @@ def test_deepseek_v4_preset_is_eight_keller_steps_then_two_finishing_steps():
   table = [(3.4445, -4.7750, 2.0315)] * 8 + [(2.0, -1.5, 0.5)] * 2
   want = mc.newton_schulz(x, coeffs=np.asarray(table), steps=10, method="standard")
   got = mc.newton_schulz(x, coeffs="deepseek_v4", steps=None, method="standard")
-  chex.assert_trees_all_equal(got, want)
+  assert_same_math(got, want)  # another program: the table is a (10, 3) constant, the preset's (9, 3)
   s = np.linalg.svd(np.asarray(got, np.float64), compute_uv=False)
   assert 0.99 < s.min() and s.max() < 1.01  # the finishing steps pull Keller's [0.7, 1.2] band onto 1
   opt = mc.muon(0.1, weight_decay=0.0, ns_coeffs="deepseek_v4", rms_scale=0.18)

@@ -277,7 +277,7 @@ def test_linen_multi_head_dot_product_attention_scanned_and_boxed():
   out = jax.jit(lambda p, m: qk_clip(p, m, qk_clip_threshold=3.0, layout=FLAX_LAYOUT))(params, ml)
   assert jax.tree.structure(out) == jax.tree.structure(params)
   plain = qk_clip(nn.unbox(params), ml, qk_clip_threshold=3.0, layout=FLAX_LAYOUT)
-  chex.assert_trees_all_close(nn.unbox(out), plain, rtol=1e-7, atol=0)
+  assert_same_math(nn.unbox(out), plain)
   _check_against_reference(jax.tree.map(np.asarray, plain), jax.tree.map(np.asarray, nn.unbox(params)),
                            ml, np.float32(3.0), ["layers/attn", "top/attn"])
 

@@ -303,9 +303,9 @@ def test_jit_matches_eager_and_traced_threshold(lay):
   for fraction in (0.3, 0.8, 2.0):
     tau = _threshold(s, fraction)
     eager = qk_clip(params, ml, qk_clip_threshold=tau, layout=lay)
-    chex.assert_trees_all_close(clip(params, ml, tau), eager, rtol=1e-7, atol=0)
+    assert_same_math(clip(params, ml, tau), eager)
     static = jax.jit(lambda p, m: qk_clip(p, m, qk_clip_threshold=tau, layout=lay))(params, ml)
-    chex.assert_trees_all_close(static, eager, rtol=1e-7, atol=0)
+    assert_same_math(static, eager)
   # Traced thresholds that are NaN, infinite or <= 0 clip nothing.
   for bad in (np.nan, np.inf, 0.0, -3.0):
     chex.assert_trees_all_equal(clip(params, ml, np.float32(bad)), params)
@@ -419,7 +419,7 @@ def test_head_sharded_kernels_on_mesh(lay, axis_type):
     eager = qk_clip(sharded, ml_sharded, qk_clip_threshold=tau, layout=lay)
     hlo = fn.lower(sharded, ml_sharded).compile().as_text()
   for result in (out, eager):
-    chex.assert_trees_all_close(result, expected, rtol=1e-7, atol=0)
+    assert_same_math(result, expected)
     jax.tree.map(lambda a, b: _assert_same_sharding(a, b), result, sharded)
   _assert_no_weight_gather(hlo, min(x.size // 4 for x in jax.tree.leaves(params) if x.ndim == 3))
 
@@ -561,7 +561,7 @@ def test_linen_scanned_boxed_params(mode):
   # Same boxes (logical names included), values as for unboxed params.
   assert jax.tree.structure(out) == jax.tree.structure(params)
   plain = clip(nn.unbox(params), inter["intermediates"])
-  chex.assert_trees_all_close(nn.unbox(out), plain, rtol=1e-7, atol=0)
+  assert_same_math(nn.unbox(out), plain)
   inter2 = apply(out)
   new = {"layers/attn": inter2["intermediates"]["layers"]["attn"]["max_logits"],
          "top": inter2["intermediates"]["top"]["max_logits"]}

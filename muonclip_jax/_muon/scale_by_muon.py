@@ -112,7 +112,7 @@ def rescale(ms: list, gs: list, ss: list) -> list[tuple[jax.Array, jax.Array]]:
 
   ``s_new`` is the smallest power of two >= 1 that puts the largest entry ``a`` of ``m s /
   s_new`` and ``g / s_new`` below ``T`` (``a`` scaled by ``2^(x - 3 - k)`` for ``a = f 2^k``,
-  ``f`` in [0.5, 1)), except that it never grows while ``a <= T``: it goes back to 1 once the
+  ``f`` in [0.5, 1)), except that it never grows while ``a < T``: it goes back to 1 once the
   momentum decays. A non-finite ``a`` keeps ``s``. Where ``s_new == s == 1`` the inputs are
   returned as they are (selected, not multiplied by 1, so that ``beta * m + g`` downstream
   keeps its exact form and rounding: the plain formula's operations).
@@ -130,8 +130,8 @@ def rescale(ms: list, gs: list, ss: list) -> list[tuple[jax.Array, jax.Array]]:
     # max(max|m|, max|g| / s) in one reduction: s is a power of two, so dividing each entry
     # first gives the same maximum
     a = lax.reduce_max(lax.max(lax.abs(m.astype(dt)), lax.div(lax.abs(g.astype(dt)), s)), tuple(range(m.ndim)))
-    # c: the largest power of two with a c < T; below 1 (s grows) only where a > T. Where
-    # a <= T, c >= 1 and s / c must stay >= 1: min(c, s) lets s fall back towards 1 but not past it
+    # c: the largest power of two with a c < T; below 1 (s grows) only where a >= T. Where
+    # a < T, c >= 1 and s / c must stay >= 1: min(c, s) lets s fall back towards 1 but not past it
     c = lax.select(lax.is_finite(a), lax.min(_power_of_two_below(a, x - 3), s), one)
     out.append((lax.select(lax.eq(c, one), m, lax.mul(m.astype(dt), c).astype(m.dtype)), lax.div(s, c)))
   return out
