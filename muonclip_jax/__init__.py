@@ -16,6 +16,7 @@ from ._muon import muon as muon
 from ._muon import muon_adamw as muon_adamw
 from ._muon import ScaleByMuonState as ScaleByMuonState
 from ._muon import scale_by_muon as scale_by_muon
+from ._muon import upgrade_opt_state as upgrade_opt_state
 from ._muon import attention_matrix_axes as attention_matrix_axes
 from ._muon import logical_matrix_axes as logical_matrix_axes
 from ._muon import muon_labels as muon_labels

@@ -233,6 +233,12 @@ def _names(path: Sequence[Any]) -> tuple[str, ...]:
   return tuple(str(key_name(k)) for k in strip_value(path))
 
 
+def _per_matrix(shape: tuple[int, ...], param_shape: tuple[int, ...]) -> bool:
+  """A state leaf of one value per stacked matrix: the parameter's rank, its size or 1 on each axis."""
+  return (len(shape) == len(param_shape) and shape != param_shape and any(n > 1 for n in shape)
+          and all(n in (1, m) for n, m in zip(shape, param_shape)))
+
+
 def state_shardings(state: Any, params: Any, param_shardings: Any) -> Any:
   """Shardings for an optimizer state: each leaf gets its parameter's sharding.
 
@@ -241,7 +247,8 @@ def state_shardings(state: Any, params: Any, param_shardings: Any) -> Any:
   to ``layers/attn/wq_b/kernel``; optax's ``partition``, ``chain``, ``MultiSteps`` and
   ``inject_hyperparams`` only add prefixes). The longest such suffix wins. Every other leaf
   (step counts, hyperparameters, the running ``max_logits`` of ``multi_steps``) is small
-  and replicated.
+  and replicated. Muon's ``mu_scale`` of a stacked leaf (one scale per layer or expert: the
+  parameter's rank, size 1 on its matrix axes) is sharded as the parameter's stacked axes are.
 
   Args:
     state: the state or its abstract version (``jax.eval_shape(opt.init, params)``).
@@ -265,6 +272,7 @@ def state_shardings(state: Any, params: Any, param_shardings: Any) -> Any:
   """
   mesh = mesh_of(param_shardings)
   flat_p, treedef = jax.tree_util.tree_flatten_with_path(params)
+
   flat_s = treedef.flatten_up_to(param_shardings)
   table = {_names(p): (tuple(np.shape(x)), s) for (p, x), s in zip(flat_p, flat_s)}
   replicated = NamedSharding(mesh, P())
@@ -275,6 +283,9 @@ def state_shardings(state: Any, params: Any, param_shardings: Any) -> Any:
       hit = table.get(names[k:])
       if hit is not None and hit[0] == shape:
         return hit[1]
+      if hit is not None and _per_matrix(shape, hit[0]):  # Muon's mu_scale of a stack: its stacked axes
+        spec = tuple(hit[1].spec) + (None,) * (len(shape) - len(hit[1].spec))
+        return NamedSharding(mesh, P(*(e if n > 1 else None for e, n in zip(spec, shape))))
     return replicated
 
   return jax.tree_util.tree_map_with_path(one, state)

@@ -23,7 +23,7 @@ import optax
 from ._clip import (CAPTURE_HINT, check_layout, check_opt_state, exact_clip_step, exact_qk_clip, exact_rtol,
                     LayoutSpec, nest_max_logits, reported_layouts)
 from ._util import check_bool, check_number
-from ._train import (applied_clip_metrics, capturing_forward, clip_metrics, loss_grads_maxima, LossFn,
+from ._train import (applied_clip_metrics, capturing_forward, clip_metrics, grad_norm, loss_grads_maxima, LossFn,
                      maxima_on, metrics_to_floats, optimizer_clip, optimizer_clip_metrics, OptStateView,
                      step_threshold, threshold_metrics, view_opt_state)
 
@@ -224,7 +224,7 @@ def make_train_step(
     with reported_layouts() as held:  # the layouts the optimizer's transforms hold
       params, opt_state, before, after = _apply_optimizer(opt, params, opt_state, grads, maxima)
     tau = step_threshold(qk_clip_threshold, before, after)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+    metrics = {"loss": loss, "grad_norm": grad_norm(grads)}
     if after.learning_rate is not None:
       metrics["learning_rate"] = after.learning_rate
     if aux is not None:

@@ -63,13 +63,15 @@ def _case(set_name):
 
 
 def _without_scale_maxima(compiled, params, mesh) -> list:
-  """The collectives without the rank-0 results of all-reduces: each sharded leaf's largest
-  |momentum| and |gradient| (``scale_by_muon``'s ``mu_scale``), a few bytes the planner does not
-  count, which XLA may combine with other all-reduces (the planner's own are ``(1, 1, 1)``); one
-  reduction per mesh axis that shards the leaf."""
+  """The collectives without the all-reduces of each sharded leaf's largest |momentum| and
+  |gradient| (``scale_by_muon``'s ``mu_scale``: rank 0, or one per matrix of a stack, as many
+  elements as the stack has matrices), a few bytes the planner does not count, which XLA may
+  combine with other all-reduces (the planner's own are ``(1, 1, 1)``); one reduction per mesh
+  axis that shards the leaf."""
+  stacks = {math.prod(x.shape[a] for a in AXES.resolve("w", x.shape)[0]) for x in jax.tree.leaves(params)} - {1}
   kept, scalars = [], 0
   for c in hlo_collectives.collectives(compiled.as_text(), 8):
-    shapes = tuple(x for x in c.shapes if c.op != "all-reduce" or x[1] != ())
+    shapes = tuple(x for x in c.shapes if c.op != "all-reduce" or (x[1] != () and math.prod(x[1]) not in stacks))
     scalars += len(c.shapes) - len(shapes)
     if shapes:
       kept.append(dataclasses.replace(c, shapes=shapes))

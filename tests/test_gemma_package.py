@@ -15,13 +15,19 @@ Checked, as for the recipes (test_recipes_thirdparty.py):
 5. per-head Muon: every head block of the q, k|v and output einsums is ``newton_schulz`` of
    that head's block of the direction, cut by hand (to 1e-6, rounding, on entries of order 0.1);
 6. what the adapter refuses: soft-capped attention, and an attention that no longer masks
-   its logits as the adapter reads it (what a moved private API looks like).
+   its logits as the adapter reads it (what a moved private API looks like);
+7. through ``nn.jit``'s cache (``gm.nn.Transformer.__call__`` is under ``nn.jit``): a captured
+   apply after an uncaptured one of the same shapes, also under an outer ``jax.jit``, sows the
+   same maxima, and an uncaptured apply after a captured one sows nothing;
+8. one ``capture_gemma()`` object entered again, and nested.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -52,28 +58,46 @@ LAYOUT = mc.GQALayout(
 
 
 def matrix_axes(params):
-  """The MLP's ``gating_einsum/w``: gate and up stacked, ``(2, hidden, embed)`` (``transpose_gating_einsum``)."""
+  """The MLP's ``gating_einsum`` (a leaf, no ``w`` under it): gate and up stacked, ``(2, hidden, embed)``
+  (``transpose_gating_einsum``)."""
   return jax.tree_util.tree_map_with_path(
       lambda path, _: mc.MatrixAxes((-1,), (-2,)) if "gating_einsum" in jax.tree_util.keystr(path) else None, params)
 
 
-class Gemma3(nn.Module):
-  """gemma's Transformer in small, from its own modules (unscanned ``layer_{i}``, as gemma builds it)."""
+def gemma3(tokens):
+  """gemma's Transformer in small, from its own modules (unscanned ``layer_{i}``, as gemma builds
+  it); called inside a compact method, whose module owns the layers."""
+  embedder = modules.Embedder(vocab_size=VOCAB, embed_dim=EMBED, name="embedder")
+  x = embedder.encode(tokens)
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (tokens.shape[0], T, T))
+  for i, kind in enumerate(KINDS):
+    base, factor = ROPE[kind]
+    _, x = modules.Block(
+        num_heads=HEADS, num_kv_heads=KV_HEADS, embed_dim=EMBED, head_dim=HEAD_DIM, hidden_dim=2 * EMBED,
+        use_post_attn_norm=True, use_post_ffw_norm=True, attn_type=kind, query_pre_attn_scalar=SCALAR,
+        transpose_gating_einsum=True, rope_base_frequency=base, rope_scale_factor=factor,
+        sliding_window_size=WINDOW, use_qk_norm=True, name=f"layer_{i}")(x, positions, None, mask)
+  return embedder.decode(layers.RMSNorm(name="final_norm")(x))
 
+
+class Gemma3(nn.Module):
   @nn.compact
   def __call__(self, tokens):
-    embedder = modules.Embedder(vocab_size=VOCAB, embed_dim=EMBED, name="embedder")
-    x = embedder.encode(tokens)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (tokens.shape[0], T, T))
-    for i, kind in enumerate(KINDS):
-      base, factor = ROPE[kind]
-      _, x = modules.Block(
-          num_heads=HEADS, num_kv_heads=KV_HEADS, embed_dim=EMBED, head_dim=HEAD_DIM, hidden_dim=2 * EMBED,
-          use_post_attn_norm=True, use_post_ffw_norm=True, attn_type=kind, query_pre_attn_scalar=SCALAR,
-          transpose_gating_einsum=True, rope_base_frequency=base, rope_scale_factor=factor,
-          sliding_window_size=WINDOW, use_qk_norm=True, name=f"layer_{i}")(x, positions, None, mask)
-    return embedder.decode(layers.RMSNorm(name="final_norm")(x))
+    return gemma3(tokens)
+
+
+def jitted_gemma3():
+  """``Gemma3`` with ``__call__`` under ``nn.jit``, as gemma 3.3.0 and 4.0.1 decorate
+  ``gm.nn.Transformer.__call__``; a new class each call, so a new ``nn.jit`` cache."""
+
+  class JittedGemma3(nn.Module):
+    @functools.partial(nn.jit, static_argnames=("self",))
+    @nn.compact
+    def __call__(self, tokens):
+      return gemma3(tokens)
+
+  return JittedGemma3()
 
 
 MODEL = Gemma3()
@@ -228,3 +252,54 @@ def test_soft_capped_and_moved_attention_are_refused():
   variables = moved.init(jax.random.key(0), x, positions, None, mask)
   with mcnn.capture_gemma(), pytest.raises(RuntimeError, match=r"did not mask its logits.*gemma 3\.3\.0 and 4\.0\.1"):
     moved.apply(variables, x, positions, None, mask, mutable=["intermediates"])
+
+
+def test_capture_through_nn_jits_cache(measured):
+  """gemma's ``nn.jit`` caches traces by module, mutable collections and shapes: one traced
+  outside the capture (an eval step) must not be reused inside it, nor the reverse."""
+  params, tokens, intermediates, *_ = measured
+  inputs = tokens[:, :-1]
+
+  def captured(model, p):
+    with mcnn.capture_gemma():
+      return model.apply({"params": p}, inputs, mutable=["intermediates"])
+
+  def uncaptured(model, p):
+    return model.apply({"params": p}, inputs, mutable=["intermediates"])
+
+  model = jitted_gemma3()  # an uncaptured apply first, then captured ones of the same shapes
+  plain, state = uncaptured(model, params)
+  assert not jax.tree.leaves(state)
+  eager, want = functools.partial(captured, model), sown_by_layer(intermediates, HEADS)
+  for how, run in (("after an uncaptured apply", eager), ("under an outer jax.jit", jax.jit(eager))):
+    out, state = run(params)
+    assert_same_math(out, plain, how)
+    assert_same_math(sown_by_layer(state["intermediates"], HEADS), want, how)
+  model = jitted_gemma3()  # the reverse: a captured apply first, then an uncaptured one
+  assert_same_math(sown_by_layer(captured(model, params)[1]["intermediates"], HEADS), want)
+  out, state = uncaptured(model, params)
+  assert not jax.tree.leaves(state)  # plain gemma: nothing sown
+  assert_same_math(out, plain)
+
+
+def test_one_capture_object_enters_again_and_nests():
+  attn = modules.Attention(num_heads=2, num_kv_heads=1, features=EMBED, head_dim=HEAD_DIM,
+                           attn_type=modules.AttentionType.GLOBAL, query_pre_attn_scalar=SCALAR)
+  x, positions = jnp.ones((1, T, EMBED)), jnp.arange(T)[None]
+  mask = jnp.tril(jnp.ones((1, T, T), bool))
+  variables = attn.init(jax.random.key(0), x, positions, None, mask)
+
+  def sown():
+    return attn.apply(variables, x, positions, None, mask, mutable=["intermediates"])[1]
+
+  capture = mcnn.capture_gemma()
+  with capture:
+    first = sown()
+  with capture:  # entered again
+    with capture:  # and nested
+      nested = sown()
+    outer = sown()  # the inner exit leaves the outer capture on
+  assert first["intermediates"]["max_logits"].shape == (2,)
+  chex.assert_trees_all_equal(nested, first)
+  chex.assert_trees_all_equal(outer, first)
+  assert not jax.tree.leaves(sown())  # every exit undone

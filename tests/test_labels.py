@@ -1,5 +1,7 @@
 """Default routing of muon_adamw: hidden matrices to Muon, everything else to AdamW."""
 
+import functools
+
 import chex
 import flax.linen as nn
 import jax
@@ -258,3 +260,70 @@ def test_what_shows_no_stack_keeps_its_matrices_and_the_listed_rules_decide():
   # logical names: fewer than two axes besides "layers" is a vector per layer
   assert default_label("blocks/gain", (3, 16), ("layers", "embed")) == "adam"
   assert default_label("blocks/w", (3, 16, 16), ("layers", "embed", "mlp")) == "muon"
+
+
+def _deepseek_layer(rng):
+  """One DeepSeek-V3-style MoE layer as nested dicts: router, routing bias, two experts, attention."""
+  def w(*shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  return {"model": {"embed_tokens": {"weight": w(32, 8)}, "layers": {"1": {
+      "mlp": {"gate": {"weight": w(4, 8), "e_score_correction_bias": jnp.full((4,), 0.5)},
+              "experts": {"0": {"gate_proj": {"weight": w(12, 8)}}, "1": {"gate_proj": {"weight": w(12, 8)}}}},
+      "input_layernorm": {"weight": w(8)},
+      "self_attn": {"q_proj": {"weight": w(8, 8)}}}}}, "lm_head": {"weight": w(32, 8)}}
+
+
+@pytest.mark.parametrize("form", ["dotted", "tuple", "slash"])
+def test_flat_keyed_dicts_label_as_their_nested_form(form):
+  """safetensors' dotted keys and flatten_dict's tuple keys are read by their components: the routing
+  bias stays frozen (no weight decay moves it), router='adam' sends the router to AdamW."""
+  from flax import traverse_util
+  nested = _deepseek_layer(np.random.default_rng(0))
+  tuples = traverse_util.flatten_dict(nested)
+  flat = {"dotted": {".".join(k): v for k, v in tuples.items()}, "tuple": tuples,
+          "slash": {"/".join(k): v for k, v in tuples.items()}}[form]
+  sep = {"dotted": ".", "slash": "/"}
+  key = (lambda k: sep[form].join(k)) if form in sep else (lambda k: k)
+  for router in ("muon", "adam"):
+    want = traverse_util.flatten_dict(mc.muon_labels(nested, router=router))
+    assert mc.muon_labels(flat, router=router) == {key(k): v for k, v in want.items()}
+  bias = key(("model", "layers", "1", "mlp", "gate", "e_score_correction_bias"))
+  router = key(("model", "layers", "1", "mlp", "gate", "weight"))
+  assert mc.muon_labels(flat)[bias] == "frozen" and mc.muon_labels(flat, router="adam")[router] == "adam"
+  to_adam = functools.partial(mc.muon_labels, router="adam")
+  opt = mc.muon_adamw(1e-2, weight_decay=0.1, labels=to_adam)
+  state = opt.init(flat)
+  zero = jax.tree.map(jnp.zeros_like, flat)
+  for _ in range(2):
+    updates, state = opt.update(zero, state, flat)
+    flat = optax.apply_updates(flat, updates)
+  np.testing.assert_array_equal(flat[bias], 0.5)  # frozen: weight decay 0.1 would give 0.4995 per step
+  # the router went to AdamW: decoupled weight decay at AdamW's rate, the same as the nested tree's
+  nested_opt = mc.muon_adamw(1e-2, weight_decay=0.1, labels=to_adam)
+  n_state, n_params = nested_opt.init(nested), nested
+  for _ in range(2):
+    u, n_state = nested_opt.update(jax.tree.map(jnp.zeros_like, n_params), n_state, n_params)
+    n_params = optax.apply_updates(n_params, u)
+  for k, v in traverse_util.flatten_dict(n_params).items():
+    np.testing.assert_array_equal(flat[key(k)], v, err_msg=str(k))  # one program each, the same arithmetic
+
+
+@pytest.mark.parametrize("names", [("embed", "exp"), ("embed", "expert"), ("exp", "embed"), ("layers", "embed", "exp")])
+def test_a_router_whose_expert_axis_is_named_is_one_matrix_for_muon(names):
+  """The router's expert axis is its matrix's output, not a batch axis: Muon, embed x experts."""
+  shape = {"embed": 8, "exp": 4, "expert": 4, "layers": 2}
+  kernel = nn.Partitioned(jnp.zeros(tuple(shape[n] for n in names)), names=names)
+  bias = nn.Partitioned(jnp.zeros((4, 12)), names=("exp", "mlp"))  # a bias per expert stays a vector
+  params = {"moe": {"gate": {"kernel": kernel}, "wi": {"bias": bias}}}
+  assert nn.unbox(mc.muon_labels(params)) == {"moe": {"gate": {"kernel": "muon"}, "wi": {"bias": "adam"}}}
+  axes = nn.unbox(mc.logical_matrix_axes(params))["moe"]["gate"]["kernel"]
+  rest = [a for a, n in enumerate(names) if n != "layers"]
+  assert axes == mc.MatrixAxes((rest[0],), (rest[1],))
+  g = jax.random.normal(jax.random.key(0), kernel.value.shape)
+  opt = mc.scale_by_muon(beta=0.0)
+  u = opt.update({"moe": {"gate": {"kernel": g}}}, opt.init({"moe": {"gate": {"kernel": kernel}}}))[0]
+  m = np.asarray(u["moe"]["gate"]["kernel"])
+  m = m if "layers" not in names else np.moveaxis(m, names.index("layers"), 0)
+  for mat in m.reshape(-1, *m.shape[-2:]):
+    s = np.linalg.svd(mat / (0.2 * np.sqrt(8)), compute_uv=False)
+    assert 0.75 < s.min() and s.max() < 1.22  # one orthogonalized 8 x 4 matrix per layer

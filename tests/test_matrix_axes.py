@@ -198,9 +198,11 @@ def _boxed(shape, names):
 
 
 def test_explicit_axes_that_contradict_logical_names_raise():
-  """The scan hint on a named DenseGeneral kernel must not give 64 separate 4x16 matrices."""
+  """The scan hint given for every leaf must not give a named DenseGeneral kernel 64 separate 4x16
+  matrices: a blanket spec is checked against each leaf's names. Declared for that leaf alone (a
+  pytree entry, or a callable's), it is honoured, with one warning naming the path, names and axes."""
   params = {"attn": {"query": {"kernel": _boxed((64, 4, 16), ("embed", "heads", "kv"))}}}
-  for spec in (mc.MatrixAxes((-2,), (-1,)), MDN(-2, -1), {"attn": {"query": {"kernel": mc.MatrixAxes((-2,), (-1,))}}}):
+  for spec in (mc.MatrixAxes((-2,), (-1,)), MDN(-2, -1), lambda p: mc.MatrixAxes((-2,), (-1,))):
     opt = mc.scale_by_muon(matrix_axes=spec)
     with pytest.raises(ValueError) as err:
       opt.init(params)
@@ -208,6 +210,9 @@ def test_explicit_axes_that_contradict_logical_names_raise():
     assert "attn/query/kernel" in msg and "(64, 4, 16)" in msg and "('embed', 'heads', 'kv')" in msg
     assert "64 separate 4x16 matrices" in msg and "axes (0,)" in msg
     assert "Leave this parameter at None in matrix_axes" in msg and "MatrixAxes(fan_in=(0,), fan_out=(1, 2))" in msg
+    # the refusal names the declaration that works: an entry of a pytree for that leaf
+    assert "an entry of a matrix_axes pytree" in msg
+    assert "matrix_axes={'attn': {'query': {'kernel': MatrixAxes(fan_in=(-2,), fan_out=(-1,))}}}" in msg
     with pytest.raises(ValueError, match="64 separate 4x16"):  # at update time too
       opt.update(params, mc.scale_by_muon().init(params))
   # batch axes named "layers", or unnamed (nn.scan without a partition name), are fine
@@ -217,6 +222,33 @@ def test_explicit_axes_that_contradict_logical_names_raise():
   # explicit axes that agree with the names, or regroup them without batching, are fine
   lookup = matrix_axes_lookup(mc.MatrixAxes((0,), (1, 2)), params)
   assert lookup("attn/query/kernel", (64, 4, 16)) == mc.MatrixAxes((0,), (1, 2))
+
+
+@pytest.mark.parametrize("form", ["tree", "dimension_numbers", "callable"])
+def test_axes_declared_for_one_leaf_win_over_its_names_with_a_warning(form):
+  """A matrix_axes entry for that leaf means what it says: 64 separate 4x16 polar factors."""
+  g = np.random.default_rng(3).standard_normal((64, 4, 16)).astype(np.float32)
+  params = {"attn": {"query": {"kernel": _boxed((64, 4, 16), ("embed", "heads", "kv"))}}}
+  leaf = {"tree": mc.MatrixAxes((-2,), (-1,)), "dimension_numbers": MDN(-2, -1), "callable": mc.MatrixAxes((1,), (2,))}
+  spec = {"attn": {"query": {"kernel": leaf[form]}}}
+  opt = mc.scale_by_muon(matrix_axes=(lambda p: spec) if form == "callable" else spec,
+                         ns_coeffs="polar_express", ns_steps=12)
+  with pytest.warns(UserWarning) as record:
+    state = opt.init(params)
+  msgs = [str(w.message) for w in record if "attn/query/kernel" in str(w.message)]
+  assert len(msgs) == 1, msgs  # once per leaf per init
+  assert "('embed', 'heads', 'kv')" in msgs[0] and "axes (0,)" in msgs[0] and "64 separate 4x16" in msgs[0]
+  assert "MatrixAxes(fan_in=" in msgs[0] and "wins over its names" in msgs[0]
+  boxed_g = jax.tree.map(lambda p: p.replace_boxed(jnp.asarray(g)), params,
+                         is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  with pytest.warns(UserWarning, match="attn/query/kernel"):  # boxed updates read the names again
+    got = nn.unbox(opt.update(boxed_g, state)[0])["attn"]["query"]["kernel"]
+  u, _, vt = np.linalg.svd(g.astype(np.float64), full_matrices=False)  # per embed row: a 4x16 polar factor
+  np.testing.assert_allclose(np.asarray(got), u @ vt * 0.2 * np.sqrt(16), atol=2e-4)
+  # the same update as without names
+  bare = mc.scale_by_muon(matrix_axes=mc.MatrixAxes((-2,), (-1,)), ns_coeffs="polar_express", ns_steps=12)
+  want, _ = bare.update({"attn": {"query": {"kernel": jnp.asarray(g)}}}, bare.init(nn.unbox(params)))
+  assert_same_math(got, want["attn"]["query"]["kernel"])
 
 
 def test_attention_matrix_axes_refuses_an_unnamed_dense_general_kernel():

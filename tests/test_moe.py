@@ -18,6 +18,7 @@ from flax import nnx
 
 import muonclip_jax as mc
 from muonclip_jax._muon import axes_from_names
+from _exactness import assert_same_math
 
 E, D, F, H, HD = 4, 8, 12, 2, 4  # experts, model width, expert width, heads, head width
 BETA = 0.95
@@ -324,3 +325,83 @@ def test_a_bias_per_expert_is_a_vector():
                     "wi_0": nn.Partitioned(jnp.zeros((E, D, F)), names=("exp", "embed_no_exp", "mlp"))}}
   assert nn.unbox(mc.muon_labels(params)) == {"moe": {"wi_0_bias": "adam", "wi_0": "muon"}}
   assert mc.logical_matrix_axes(params)["moe"] == {"wi_0_bias": None, "wi_0": mc.MatrixAxes((1,), (2,))}
+
+
+# ----------------------------------------------------------------------------- fused gate|up, per-matrix scale
+
+
+def _gated_mlp(rng, lead=(E,), up_scale=0.01):
+  """Gate and up gradients of ``lead`` experts, up 100x smaller, with a down projection."""
+  gate = rng.standard_normal((*lead, F, D)).astype(np.float32)
+  up = rng.standard_normal((*lead, F, D)).astype(np.float32) * up_scale
+  return gate, up, rng.standard_normal((*lead, D, F)).astype(np.float32)
+
+
+def test_a_fused_gate_up_is_cut_into_gate_and_up_as_stored_apart():
+  """transformers' (v5) gate_up_proj (experts, 2 * inter, hidden), a torch Linear's gate_up_proj/weight and a
+  Flax Dense's gate_up_proj/kernel train as gate and up stored apart: each its own matrix and RMS factor."""
+  gate, up, down = _gated_mlp(np.random.default_rng(0))
+  per_expert = mc.MatrixAxes((-1,), (-2,))
+  opt = mc.muon_adamw(1.0, weight_decay=0.0, matrix_axes=lambda t: jax.tree.map(lambda _: per_expert, t))
+  fused = {"experts": {"gate_up_proj": np.concatenate([gate, up], -2), "down_proj": down}}
+  apart = {"experts": {"gate_proj": gate, "up_proj": up, "down_proj": down}}
+  got, want = muon_update(opt, fused, fused)["experts"], muon_update(opt, apart, apart)["experts"]
+  assert_same_math(got["gate_up_proj"][:, :F], want["gate_proj"])
+  assert_same_math(got["gate_up_proj"][:, F:], want["up_proj"])
+  assert_close(got["gate_up_proj"][:, F:], per_matrix_reference(up, 1))  # RMS 0.2, not 0.006
+  # a dense MLP: a torch Linear (out, in) and a Flax Dense (in, out), no matrix_axes needed
+  for leaf, cat, pick in (("weight", 0, lambda x, h: x[h * F:(h + 1) * F]), ("kernel", 1, lambda x, h: x[:, h * F:(h + 1) * F])):
+    g, u = (gate[0], up[0]) if leaf == "weight" else (gate[0].T, up[0].T)
+    d = down[0] if leaf == "weight" else down[0].T
+    params = {"mlp": {"gate_up_proj": {leaf: np.concatenate([g, u], cat)}, "down_proj": {leaf: d}}}
+    got = muon_update(mc.muon_adamw(1.0, weight_decay=0.0), params, params)["mlp"]["gate_up_proj"][leaf]
+    for h, part in enumerate((g, u)):
+      assert_close(pick(got, h), per_matrix_reference(part[None], 1)[0])
+
+
+def test_a_fused_gate_up_the_library_cannot_read_is_refused_and_a_declared_cut_is_honoured():
+  gate, up, down = _gated_mlp(np.random.default_rng(1))
+  per_expert = mc.MatrixAxes((-1,), (-2,))
+  axes = lambda t: jax.tree.map(lambda _: per_expert, t)  # noqa: E731
+  gpt_oss = {"experts": {"gate_up_proj": np.zeros((E, D, 2 * F), np.float32), "down_proj": np.zeros((E, F, D), np.float32)}}
+  alone = {"gate_up_proj": np.zeros((E, 2 * F, D), np.float32)}
+  for params, seen in ((gpt_oss, r"experts/down_proj \(4, 12, 8\)"), (alone, "no down_proj beside it")):
+    with pytest.raises(ValueError, match=rf"gate_up_proj: a fused gate\|up projection of shape .*{seen}.*fused=\(axis, 2\)"):
+      mc.muon_adamw(1.0, matrix_axes=axes).init(params)
+  # declared: the cut (any storage), or fused=(axis, 1) for one matrix
+  stored = {"w": np.concatenate([gate, up], -2)}
+  cut = {"w": mc.MatrixAxes((-1,), (-2,), fused=(-2, 2))}
+  got = -muon_update(mc.scale_by_muon(matrix_axes=cut), stored, stored)["w"]  # scale_by_muon: no minus sign
+  assert_close(got[:, F:], per_matrix_reference(up, 1))
+  whole = {"gate_up_proj": mc.MatrixAxes((-1,), (-2,), fused=(-2, 1)), "down_proj": per_expert}
+  params = {"gate_up_proj": np.concatenate([gate, up], -2), "down_proj": down}
+  got = -muon_update(mc.scale_by_muon(matrix_axes=whole), params, params)["gate_up_proj"]
+  assert_close(got, per_matrix_reference(params["gate_up_proj"], 1))
+  with pytest.raises(ValueError, match=r"w: .*cuts axis 1 .* 5 does not divide 24"):
+    mc.scale_by_muon(matrix_axes={"w": mc.MatrixAxes((-1,), (-2,), fused=(1, 5))}).init(stored)
+  with pytest.raises(ValueError, match="not one of its fan_in or fan_out"):
+    mc.scale_by_muon(matrix_axes={"w": mc.MatrixAxes((-1,), (-2,), fused=(0, 2))}).init(stored)
+
+
+def test_each_expert_of_a_stack_has_its_own_momentum_scale():
+  """One expert's gradient near float32's largest rescales that expert only: its neighbours' updates are
+  the updates they get alone (with exact 12-step Newton–Schulz, where eps would show a shared scale)."""
+  rng = np.random.default_rng(2)
+  g = rng.standard_normal((E, D, F)).astype(np.float32)
+  g[0] *= 3e38 / np.abs(g[0]).max()
+  g[1] *= 1e-8  # a quiet expert: its norm near eps, so a scale of 8 would move its update
+  exact = dict(ns_coeffs=jnp.array([[1.5, -0.5, 0.0]] * 12), ns_steps=12, ns_method="standard")
+  opt = mc.scale_by_muon(matrix_axes=mc.MatrixAxes((-2,), (-1,)), **exact)
+  state = opt.init({"w": g})
+  assert state.mu_scale["w"].shape == (E, 1, 1)
+  updates, state = jax.jit(opt.update)({"w": g}, state)
+  np.testing.assert_array_equal(np.asarray(state.mu_scale["w"]).ravel(), [8.0, 1.0, 1.0, 1.0])
+  assert np.isfinite(np.asarray(updates["w"])).all()
+  for e in range(1, E):
+    alone = mc.scale_by_muon(**exact)
+    want = jax.jit(alone.update)({"w": g[e]}, alone.init({"w": g[e]}))[0]["w"]
+    assert_same_math(updates["w"][e], want, err_msg=f"expert {e}")
+  # a leaf of one matrix keeps one scalar scale; a stack of layers has one per layer
+  assert opt.init({"w": g[0]}).mu_scale["w"].shape == ()
+  scanned = nn.Partitioned(jnp.zeros((2, E, D, F)), names=("layers", "exp", "embed", "mlp"))
+  assert mc.scale_by_muon().init({"w": scanned}).mu_scale["w"].shape == (2, E, 1, 1)

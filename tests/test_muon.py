@@ -489,7 +489,7 @@ def test_rescale_follows_its_rule_exactly_on_every_edge():
   nothing changes it is ``m`` itself. Zeros, subnormals,
   values at and around T, float32's largest, inf and NaN, with float32, bfloat16 and float16
   momentum and scales from 1 to 2^100."""
-  from muonclip_jax._muon.scale_by_muon import rescale
+  from muonclip_jax._muon.momentum_scale import rescale
   values = [0.0, 1e-40, 1.0, 7e4, 2.0 ** 125, 4.5e37, 3.4e38, np.inf, np.nan]
   for mdt, gdt in ((jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32), (jnp.float16, jnp.float32)):
     t = min(jnp.finfo(mdt).maxexp, jnp.finfo(gdt).maxexp) - 3
@@ -552,3 +552,84 @@ def test_float16_adam_leaves_with_an_eps_that_underflows_are_refused_at_init():
   u, _ = opt.update(g, opt.init(params), params)
   chex.assert_tree_all_finite(u)
   mc.muon_adamw(0.01).init(optax.tree.cast(params, jnp.bfloat16))  # bfloat16 holds 1e-8
+
+
+def test_boxed_params_at_init_and_bare_arrays_at_update():
+  """Linen boxes at init (their names decide the matrices), bare arrays at update: the update of the
+  unboxed tree, and a state whose mu keeps its boxes while mu_scale carries none (its names would be
+  the parameter's, wrong for a scalar: the state could not be sharded by nn.get_partition_spec)."""
+  import flax.linen as nn
+  g = jax.random.normal(jax.random.key(0), (3, 8, 12))
+  boxed = {"w": nn.Partitioned(jnp.zeros((3, 8, 12)), names=("layers", "embed", "mlp"))}
+  opt = mc.scale_by_muon()
+  state = opt.init(boxed)
+  assert isinstance(state.mu["w"], nn.Partitioned) and not isinstance(state.mu_scale["w"], nn.Partitioned)
+  assert nn.get_partition_spec(state).mu_scale["w"] == jax.sharding.PartitionSpec()
+  updates, new = jax.jit(opt.update)({"w": g}, state)
+  plain = mc.scale_by_muon(matrix_axes=mc.MatrixAxes((-2,), (-1,)))
+  want, _ = jax.jit(plain.update)({"w": g}, plain.init({"w": g}))
+  assert_same_math(updates["w"], want["w"])
+  assert jax.tree.structure(new) == jax.tree.structure(state)  # the boxes stay where init put them
+  boxed_updates, _ = jax.jit(opt.update)({"w": nn.Partitioned(g, names=boxed["w"].names)}, state)
+  assert_same_math(boxed_updates["w"].value, want["w"])
+  # muon_adamw (AdamW's half is optax's): a Linen model's boxed params at init, bare arrays at update
+  dense = lambda names: nn.with_logical_partitioning(nn.initializers.lecun_normal(), names)  # noqa: E731
+  model = nn.Sequential([nn.Dense(8, kernel_init=dense(("embed", "mlp"))), nn.Dense(4, kernel_init=dense(("mlp", "embed")))])
+  params = model.init(jax.random.key(0), jnp.ones((1, 4)))["params"]
+  bare = nn.unbox(params)
+  grads = jax.tree.map(lambda x: jnp.cos(3 * x) + 0.1, bare)
+  opt = mc.muon_adamw(1e-2)  # muonclip chains it: the same state
+  state = opt.init(params)
+  updates, new = jax.jit(opt.update)(grads, state, bare)
+  ref, _ = jax.jit(opt.update)(grads, opt.init(bare), bare)
+  chex.assert_trees_all_equal_structs(updates, ref)
+  jax.tree.map(assert_same_math, updates, ref)
+  assert jax.tree.structure(new) == jax.tree.structure(state)  # the state's boxes stay
+
+
+def test_a_state_cast_as_a_whole_and_bad_dtypes_are_refused():
+  """mu_scale cast to float16 would overflow past 65504; complex parameters, integer momentum."""
+  params = {"w": jnp.ones((4, 8))}
+  opt = mc.scale_by_muon()
+  cast = optax.tree.cast(opt.init(params), jnp.float16)
+  with pytest.raises(TypeError, match=r"mu_scale at w is float16, but a momentum of float16 needs float32"):
+    opt.update({"w": jnp.full((4, 8), 7e4)}, cast)
+  with pytest.raises(ValueError, match=r"opt_state.mu\['w'\] is float16, optimizer.init\(params\) gives float32"):
+    mc.check_opt_state(cast, optimizer=opt, params=params)
+  half = mc.scale_by_muon(mu_dtype=jnp.float16)  # the way to a float16 momentum: finite past 65504
+  u, _ = half.update({"w": jnp.full((4, 8), 7e4)}, half.init(params))
+  assert np.isfinite(np.asarray(u["w"])).all()
+  for dtype in (jnp.int32, jnp.bool_):
+    with pytest.raises(TypeError, match="mu_dtype must be a floating dtype"):
+      mc.muon_adamw(1e-2, mu_dtype=dtype)
+  with pytest.raises(TypeError, match=r"the parameter at w is complex \(complex64\)"):
+    opt.init({"w": jnp.ones((4, 8), jnp.complex64)})
+  with pytest.raises(ValueError, match=r"muon_blocks must be one of .*got 'group:²'"):
+    mc.scale_by_muon(layout=mc.GQALayout(2, 2, 4), muon_blocks="group:²")
+
+
+def test_a_state_from_before_mu_scale_is_brought_forward():
+  """upgrade_opt_state: a state saved without mu_scale, or with one scalar for an expert stack, in
+  today's structure; the update from it equals the update from today's init with that momentum."""
+  stack = mc.MatrixAxes((-2,), (-1,))
+  params = {"experts": {"w": jnp.zeros((3, 4, 8))}, "mlp": {"kernel": jnp.zeros((4, 8))}, "norm": {"scale": jnp.ones(4)}}
+  opt = mc.muon_adamw(1e-2, matrix_axes={"experts": {"w": stack}, "mlp": {"kernel": None}, "norm": {"scale": None}})
+  grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape), params)
+  state = jax.jit(opt.update)(grads, opt.init(params), params)[1]
+  muon = state.inner_states["muon"].inner_state[0]
+  old = {"inner_states": {"adam": state.inner_states["adam"], "muon": {"inner_state": [{"mu": muon.mu}]}}}
+  new = mc.upgrade_opt_state(old, opt, params)
+  mc.check_opt_state(new, optimizer=opt, params=params)
+  chex.assert_trees_all_equal(new, state)  # the scales were 1: the same state, bit for bit
+  scalar = {"inner_states": {"adam": state.inner_states["adam"], "muon": {"inner_state": [
+      {"mu": muon.mu, "mu_scale": {"experts": {"w": jnp.float32(2.0)}, "mlp": {"kernel": jnp.float32(1.0)}}}]}}}
+  up = mc.upgrade_opt_state(scalar, opt, params).inner_states["muon"].inner_state[0].mu_scale
+  np.testing.assert_array_equal(up["experts"]["w"], np.full((3, 1, 1), 2.0))
+  with pytest.raises(ValueError, match=r"no leaf at 'inner_states/muon/inner_state/0/mu/experts/w'"):
+    mc.upgrade_opt_state({"inner_states": {"adam": state.inner_states["adam"], "muon": {"inner_state": [{}]}}},
+                         opt, params)
+  with pytest.raises(ValueError, match=r"leaves optimizer.init\(params\) does not hold: \['extra'\]"):
+    mc.upgrade_opt_state({**old, "extra": jnp.ones(2)}, opt, params)
+  wrong = jax.tree.map(lambda x: x[:2] if x.ndim == 3 else x, old)
+  with pytest.raises(ValueError, match=r"mu/experts/w' is float32\[2, 4, 8\]"):
+    mc.upgrade_opt_state(wrong, opt, params)

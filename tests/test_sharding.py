@@ -117,14 +117,19 @@ def test_state_shardings_follow_params_and_small_leaves_are_replicated():
     if owner:
       assert _same_sharding(leaf, by_path[owner[0]]), keys
       found += 1
-    else:  # step counts, hyperparameters, the running max_logits, Muon's mu_scale
+    elif "/mu_scale/" in keys:  # Muon's: a scalar, or one per layer of a stack, sharded as its stacked axis
+      param = by_path[keys.partition("/mu_scale/")[2]]
+      spec = tuple(param.sharding.spec) + (None,) * (param.ndim - len(param.sharding.spec))
+      want = P(*(e if n > 1 else None for e, n in zip(spec, leaf.shape))) if leaf.ndim else P()
+      assert leaf.ndim in (0, param.ndim) and leaf.sharding.is_equivalent_to(NamedSharding(mesh, want), leaf.ndim)
+      scales += 1
+    else:  # step counts, hyperparameters, the running max_logits
       assert leaf.ndim == 0 or "max_logits" in keys, keys
       assert leaf.sharding.is_fully_replicated, keys
-      scales += "/mu_scale/" in keys
   labels = jax.tree.leaves(mc.muon_labels(params))
   # Muon's momentum, Adam's two moments, MultiSteps' gradient accumulator
   assert found == labels.count("muon") + 2 * labels.count("adam") + len(labels)
-  assert scales == labels.count("muon")  # one replicated scalar per Muon leaf
+  assert scales == labels.count("muon")  # one scale (or one per stacked layer) per Muon leaf
   assert not state.inner.inner_opt_state[0].inner_states["muon"].inner_state[0].mu["layers"]["w_up"][
       "kernel"].sharding.is_fully_replicated
 

@@ -358,3 +358,21 @@ def test_an_invalid_traced_tau_is_flagged_in_the_state_and_the_metrics():
       else:
         assert float(clip_state.threshold) == 1.0 and int(m["num_clipped"]) > 0
     assert training.metrics_to_floats(m)["qk_clip_threshold_valid"] == 0.0
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_microbatch_gradients_near_float32s_largest_are_averaged_without_overflow(k):
+  """The full-batch gradient is 1.49e38 and every microbatch's is finite: each share is divided by k
+  before it is added (a sum first overflows at k = 4). The step matches float64."""
+  rows = np.linspace(1.0, 1.5, 12)[:, None] * np.array([[1.49e38, -0.7e38, 1e3]])  # (batch 12, 3)
+
+  def loss_fn(p, batch):
+    return jnp.mean(batch @ p["w"]), {}  # d loss / d w = the mean row
+
+  params = {"w": jnp.zeros(3, jnp.float32)}
+  opt = optax.sgd(1e-37)
+  new, _, metrics = jax.jit(training.make_train_step(loss_fn, opt, num_microbatches=k))(
+      params, opt.init(params), jnp.asarray(rows, jnp.float32))
+  want = -1e-37 * rows.mean(0)  # float64
+  np.testing.assert_allclose(np.asarray(new["w"], np.float64), want, rtol=1e-6)
+  np.testing.assert_allclose(float(metrics["grad_norm"]), np.linalg.norm(rows.mean(0)), rtol=1e-6)  # not inf

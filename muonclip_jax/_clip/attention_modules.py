@@ -26,9 +26,9 @@ def leaves_by_module(flat: list) -> dict[str, dict[str, int]]:
   """
   found: dict[str, dict[str, int]] = {}
   for i, (path, _) in enumerate(flat):
-    path = strip_value(path)
-    for cut in range(len(path) - 1):
-      found.setdefault(keystr(path[:cut]), {})[keystr(path[cut:])] = i
+    parts = keystr(strip_value(path)).split("/")  # a flat dict's dotted or tuple key: its components
+    for cut in range(len(parts) - 1):
+      found.setdefault("/".join(parts[:cut]), {})["/".join(parts[cut:])] = i
   return found
 
 

@@ -15,7 +15,7 @@ optimizer the extra arguments of the last micro-step only (and, called through
 clip of an accumulated step would see one microbatch. ``multi_steps`` keeps the maximum.
 
 Given the optimizer and the params, ``check_opt_state`` also compares the state with the
-one ``optimizer.init(params)`` would give, by structure and shape, abstractly (no
+one ``optimizer.init(params)`` would give, by structure, shape and dtype, abstractly (no
 computation, no host sync): an optimizer state from another model (a 1-layer state meeting
 3-layer params) would otherwise broadcast into the update without an error.
 """
@@ -97,6 +97,12 @@ def _check_fits(opt_state: Any, optimizer: Any, params: Any, caller: str) -> Non
           f"{caller}: the optimizer state does not fit the params: {_where(path)} has shape "
           f"{jax.numpy.shape(leaf)}, optimizer.init(params) gives {ref.shape} (it would broadcast into the "
           f"update without an error); {hint}")
+    if jax.numpy.result_type(leaf) != ref.dtype:
+      raise ValueError(
+          f"{caller}: the optimizer state does not fit the params: {_where(path)} is "
+          f"{jax.numpy.result_type(leaf)}, optimizer.init(params) gives {ref.dtype} (a state cast as a whole, "
+          "e.g. optax.tree.cast, casts counters and Muon's mu_scale too, whose powers of two then overflow): "
+          "store the momentum in another dtype with mu_dtype= instead, or cast the state back")
 
 
 def check_opt_state(opt_state: Any, *, optimizer: Any = None, params: Any = None,
@@ -118,12 +124,13 @@ def check_opt_state(opt_state: Any, *, optimizer: Any = None, params: Any = None
   the leaf shapes of ``optimizer.init(params)`` (computed abstractly, ``jax.eval_shape``:
   no computation, no host sync; jit-safe): a state restored from another model, e.g. a
   1-layer model's state meeting a 3-layer model's params, would otherwise broadcast into
-  the update silently. Dtypes are not compared.
+  the update silently. Dtypes are compared too: a state cast as a whole (``optax.tree.cast``
+  to float16) would cast Muon's ``mu_scale``, whose powers of two overflow float16.
 
   Raises:
     ValueError: a transform after the clip (with the paths of both states); a plain
       ``optax.MultiSteps`` wrapping a clip; with ``optimizer`` and ``params``, a state whose
-      structure or leaf shapes differ from ``optimizer.init(params)``'s (with the path).
+      structure, leaf shapes or leaf dtypes differ from ``optimizer.init(params)``'s (with the path).
 
   Example:
     >>> import jax.numpy as jnp, optax, muonclip_jax as mc

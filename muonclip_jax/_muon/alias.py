@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .._util import check_number, MatrixAxesSpec, skip_frozen_leaves
+from .._util import accept_bare_updates, check_number, MatrixAxesSpec, skip_frozen_leaves
 from .scale_by_muon import scale_by_muon
 from .labels import ADAM, FROZEN, MUON, muon_labels, remembering_labels
 from .._clip import LayoutSpec
@@ -243,7 +243,8 @@ def muon_adamw(
     _check_adam_eps_dtype(params, labels, adam_eps)
     return tx.init(params)
 
-  return optax.GradientTransformationExtraArgs(init_fn, tx.update)
+  # Linen boxes at init, bare arrays at update (the state keeps its boxes)
+  return accept_bare_updates(optax.GradientTransformationExtraArgs(init_fn, tx.update))
 
 
 def _check_adam_eps_dtype(params: Any, routing: Any, adam_eps: Any) -> None:

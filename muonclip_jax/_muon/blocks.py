@@ -65,7 +65,8 @@ def parse_mode(mode: Any) -> tuple[str, int | str, bool]:
       kind, colon, group = body.partition(":")
       if kind == "group" and colon and group == "kv":
         return "head", "kv", out
-      if kind == "group" and colon and group.isdigit() and group == str(int(group)) and int(group) >= 1:
+      if kind == "group" and colon and group.isascii() and group.isdigit() and group == str(int(group)) \
+          and int(group) >= 1:
         return "head", int(group), out
   raise ValueError(
       f"muon_blocks must be one of {MODES} (<k>: the number of consecutive heads per block, an integer "
@@ -136,8 +137,37 @@ class Blocks:
     return v if self.split is None else v.reshape(shape)
 
 
+def stack_axes(blocks: Blocks, path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+  """The axes of the leaf that stack its separate matrices (layers, experts): one ``mu_scale`` each.
+
+  Of a whole leaf, its ``MatrixAxes``' batch axes. Of a leaf cut into blocks (heads, parts:
+  blocks of one projection, which keep one scale), the batch axes that every piece shares and
+  that lie before the first axis the view reshapes or slices, i.e. its leading stacked layers.
+  """
+  dims = piece_dims(blocks, path, tuple(shape))
+  if blocks.is_whole:
+    return dims[0][0]
+  touched = min([a for a in (None if blocks.split is None else blocks.split[0], blocks.cut) if a is not None]
+                + list(blocks.inner) + [len(shape)])
+  shared = set.intersection(*(set(d[0]) for d in dims))
+  return tuple(sorted(a for a in shared if a < touched))
+
+
 def whole(axes: MatrixAxes) -> Blocks:
   return Blocks((axes,))
+
+
+def matrix_blocks(axes: MatrixAxes, path: str, shape: tuple[int, ...]) -> Blocks:
+  """The ``Blocks`` of a leaf whose matrix ``axes`` says: one matrix (or a stack), or, with
+  ``fused=(axis, n)``, its ``n`` parts along ``axis``, a view ``(n, size / n)`` of that axis whose
+  first axis is batched with the blocks of one matrix (``inner``), as ``"part"`` cuts a fused q|k|v."""
+  cut = axes.fused_part(path, tuple(shape))
+  if cut is None:
+    return whole(axes)
+  axis, n = cut
+  _, fan_in, fan_out = axes.resolve(path, tuple(shape))
+  moved = lambda group: tuple(a if a < axis else a + 1 for a in group)  # noqa: E731
+  return Blocks((MatrixAxes(moved(fan_in), moved(fan_out)),), (axis, n), inner=(axis,))
 
 
 def _split(names: list[str], shape: list[int], axis: int, first: int, labels: tuple[str, str]):

@@ -23,7 +23,8 @@ from typing import Any
 
 import jax
 
-from .._util import has_boxes, is_box, leaf_shape, logical_names, MetadataMemo, path_str, STACK_NAMES, VOCAB
+from .._util import (has_boxes, is_box, LAYER_NAMES, leaf_shape, logical_names, MetadataMemo, path_str, STACK_NAMES,
+                     VOCAB)
 from .._clip import EMBEDDING, leaf_roles, MATRIX
 
 MUON = "muon"
@@ -45,6 +46,11 @@ ROUTING_BIAS_NAMES = frozenset({"e_score_correction_bias"})
 
 def _is_router(parts: list[str]) -> bool:
   return any(p in ROUTER_NAMES for p in parts)
+
+
+def is_router(path: str) -> bool:
+  """A leaf under a path component named ``gate`` or ``router`` (any case): a router's matrix."""
+  return _is_router(path.lower().split("/"))
 
 
 def _is_norm(part: str) -> bool:
@@ -113,7 +119,9 @@ def _matrix_or_adam(parts: list[str], shape: tuple[int, ...], names: tuple | Non
     return ADAM
   if any(w in p for p in parts for w in _EMBEDDING_WORDS) or any(p in _HEAD_NAMES for p in parts):
     return ADAM
-  if names is not None and (VOCAB in names or sum(n not in STACK_NAMES for n in names) < 2):
+  # a router's expert axis is its matrix's output (``("embed", "exp")``), not a batch axis
+  batch = LAYER_NAMES if _is_router(parts) else STACK_NAMES
+  if names is not None and (VOCAB in names or sum(n not in batch for n in names) < 2):
     return ADAM
   if (len(shape) == 2 and names is None and not _in_numbered_layer(parts)
       and any(shape in ((v, w), (w, v)) for v, w in vocab)):
@@ -192,7 +200,8 @@ def muon_labels(params: Any, *, router: str = MUON) -> Any:
   7. logical axis names (``names``; Linen boxes, NNX ``sharding`` metadata, short specs
      padded with None as Flax pads them) with a ``"vocab"`` axis, or with fewer than two
      axes besides the layer and expert axes (a vector per layer of a stack, a bias per
-     expert ``("exp", "mlp")``): AdamW.
+     expert ``("exp", "mlp")``): AdamW. A router's expert axis counts as one of the two
+     (``("embed", "exp")``, ``("exp", "embed")``: its matrix's output, rule 10).
   8. a 2-D leaf of shape ``(width, vocabulary)`` or ``(vocabulary, width)`` of one of the
      tree's token-embedding tables (``vocab``, from ``vocab_sizes``): an output head under a
      name rule 6 does not know: AdamW. Not applied to a leaf with logical names (rule 7

@@ -28,7 +28,8 @@ from .._clip import (as_projection, attention_modules, axes_from_logical, check_
                      DECLARED, DENSE_GENERAL, detect, fits_declared, Found, GQALayout, HEAD_MAJOR, held_raw,
                      leaves_by_module, linear_leaf, MLALayout, names_under, Projection, storage_axes)
 from .._util import join, MatrixAxes, MatrixAxesSpec, names_by_path, path_str
-from .blocks import Blocks, blocks_for, parse_mode, whole
+from .blocks import Blocks, blocks_for, matrix_blocks, parse_mode
+from .fused_mlp import fused_gate_up
 from .matrix_axes_rules import matrix_axes_lookup
 
 
@@ -216,9 +217,14 @@ def muon_blocks_lookup(matrix_axes: MatrixAxesSpec, layout: Any, mode: str, tree
   default (``matrix_axes_lookup``, which ``rms_match`` is handed to).
   """
   spec = matrix_axes(tree) if callable(matrix_axes) and not isinstance(matrix_axes, MatrixAxes) else matrix_axes
-  base = matrix_axes_lookup(spec, tree, rms_match=rms_match)
+  lookup_axes = matrix_axes_lookup(spec, tree, rms_match=rms_match)
+  gate_up = fused_gate_up(tree)
+
+  def base(path: str, shape: tuple[int, ...]) -> Blocks:
+    return matrix_blocks(gate_up(path, shape, lookup_axes(path, shape)), path, shape)
+
   if layout is None:
-    return lambda path, shape: whole(base(path, shape))
+    return base
   table = layout_blocks(tree, layout, mode, f"{caller}: layout (muon_blocks={mode!r})")
   explicit = set()
   if not _is_spec_leaf(spec):
@@ -228,6 +234,6 @@ def muon_blocks_lookup(matrix_axes: MatrixAxesSpec, layout: Any, mode: str, tree
   def lookup(path: str, shape: tuple[int, ...]) -> Blocks:
     if path in table and path not in explicit:
       return table[path]
-    return whole(base(path, shape))
+    return base(path, shape)
 
   return lookup

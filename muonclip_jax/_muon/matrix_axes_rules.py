@@ -7,6 +7,7 @@ logical axis names only, never on values.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ import optax
 from .._util import (EXPERT_NAMES, HEAD_AXIS_NAMES, is_box, LAYER_NAMES, leaf_shape, logical_names, MatrixAxes,
                      MatrixAxesSpec, names_by_path, path_str, STACK_NAMES)
 from .._clip import declared_matrix_axes, storage_axes
+from .labels import is_router
 
 # Logical axis names (Flax's nn.with_logical_partitioning, NNX sharding metadata).
 LAYERS = "layers"  # the name the hints suggest for a stacked-layer axis
@@ -44,13 +46,21 @@ def as_matrix_axes(spec: Any, where: str = "matrix_axes") -> MatrixAxes | None:
   raise ValueError(f"{where}: expected a MatrixAxes, an optax.contrib.MuonDimensionNumbers or None, got {spec!r}")
 
 
+def batch_names(path: str) -> frozenset:
+  """The logical names of a leaf's batch axes: stacked layers and experts (``STACK_NAMES``), but
+  only stacked layers for a router, whose expert axis is its matrix's output (``(d, experts)``)."""
+  return LAYER_NAMES if is_router(path) else STACK_NAMES
+
+
 def axes_from_names(path: str, shape: tuple[int, ...], names: tuple) -> MatrixAxes:
   """The matrix of a leaf from its logical axis names.
 
   Rule: axes named for stacked layers (``"layers"``, ``"stage"``) or for experts (``"exp"``,
   ``"expert"``, ``"experts"``, ``"num_experts"``, ``"n_experts"``; ``_util.logical_axes``) are
   batch axes, in any order: MaxText's scanned experts ``("exp", "layers", "embed_no_exp",
-  "mlp")`` are one ``embed x mlp`` matrix per expert and layer. Of the others, in order,
+  "mlp")`` are one ``embed x mlp`` matrix per expert and layer. A router's (a path component
+  ``gate`` or ``router``) expert axis is its matrix's output, not a batch axis: ``("embed",
+  "exp")`` is one ``embed x experts`` matrix (``batch_names``). Of the others, in order,
   the first group is the fan-in and the rest the fan-out: with two axes each is one group,
   named or not (MaxText's gate ``("embed", None)``, scanned ``("embed", "layers", None)``);
   with more, all named, the head axes (``heads``, ``q_heads``, ``kv_heads``, ``kv``,
@@ -68,7 +78,7 @@ def axes_from_names(path: str, shape: tuple[int, ...], names: tuple) -> MatrixAx
         f"{tuple(names[a] for a in experts)} (axes {tuple(experts)}); a mixture-of-experts kernel has one expert "
         f"axis, batched by Muon (one matrix per expert): name the other axes for what they are (e.g. "
         f"('{EXPERTS}', 'embed', 'mlp')), or pass matrix_axes=MatrixAxes(fan_in=..., fan_out=...) for it")
-  rest = [a for a, n in enumerate(names) if n not in STACK_NAMES]
+  rest = [a for a, n in enumerate(names) if n not in batch_names(path)]
   fail = (f"{path}: cannot tell the matrix of a parameter of shape {shape} from its logical axis names "
           f"{names}: expected two axes besides the batch axes (stacked layers {sorted(LAYER_NAMES)}, experts "
           f"{sorted(EXPERT_NAMES)}), or, all named, a group of head axes {sorted(HEAD_AXIS_NAMES)} "
@@ -112,7 +122,7 @@ def logical_matrix_axes(params: Any) -> Any:
 
   def axes(p, x):
     names = logical_names(x) if is_box(x) else None
-    if names is None or sum(n not in STACK_NAMES for n in names) < 2:  # a vector (norm scale, bias), stacked or not
+    if names is None or sum(n not in batch_names(path_str(p)) for n in names) < 2:  # a vector, stacked or not
       return None
     if len(names) == 2 and None in names:  # a 2-D matrix with a short or partial spec: (in, out)
       return None
@@ -144,35 +154,63 @@ def _undeclared(path: str, shape: tuple[int, ...]) -> ValueError:
                     + "; ".join(hints))
 
 
-def _check_batch_names(path: str, shape: tuple[int, ...], names: tuple, axes: MatrixAxes) -> None:
-  """Raises ValueError when explicit ``axes`` contradict the logical ``names``: a batch axis the names
-  call part of a matrix, or an expert axis made part of the matrix (all experts as one matrix)."""
+def _check_batch_names(path: str, shape: tuple[int, ...], names: tuple, axes: MatrixAxes, *,
+                       per_leaf: bool = False) -> None:
+  """Checks explicit ``axes`` against the logical ``names`` of a leaf.
+
+  They contradict when an axis ``axes`` batches is named for something other than stacked
+  layers or experts (``batch_names``; unnamed is fine), or when an expert axis is made part of
+  the matrix (all experts as one matrix). One ``MatrixAxes`` given for every leaf
+  (``per_leaf=False``) was not aimed at this leaf: a contradiction raises ValueError, which
+  names the declaration that works. An entry of a ``matrix_axes`` pytree (or of a callable's
+  result) for this very leaf (``per_leaf=True``) is what its author means, and names may
+  describe sharding rather than meaning (MaxText's ``fsdp_shard_on_exp`` names the expert axis
+  of ``(experts, embed, mlp)`` ``"embed_no_exp"``: ``("embed_no_exp", None, "mlp")``): the
+  contradiction is a UserWarning naming the path, the names and the axes, and ``axes`` stand.
+  """
   if len(names) != len(shape):
     raise ValueError(f"{path}: logical axis names {names} do not match the shape {shape}")
   batch, fi, fo = axes.resolve(path, shape)
-  bad = tuple(a for a in batch if names[a] is not None and names[a] not in STACK_NAMES)
-  merged = tuple(a for a in fi + fo if names[a] in EXPERT_NAMES)
+  allowed = batch_names(path)  # a router's expert axis is its matrix's output, not a batch axis
+  bad = tuple(a for a in batch if names[a] is not None and names[a] not in allowed)
+  merged = tuple(a for a in fi + fo if names[a] in allowed & EXPERT_NAMES)
   if not bad and not merged:
+    return
+  count = math.prod(shape[a] for a in batch)
+  rows, cols = math.prod(shape[a] for a in fi), math.prod(shape[a] for a in fo)
+  matrices = f"{'one' if count == 1 else count} {rows}x{cols} {'matrix' if count == 1 else 'matrices'}"
+  verb = "orthogonalizes" if per_leaf else "would orthogonalize"
+  if merged:
+    what = (f"makes the expert axes {merged} of the parameter of shape {shape} (logical names {names}) part of "
+            f"the matrix, so Muon {verb} its experts together as {matrices}")
+  else:
+    what = (f"makes axes {bad} of the parameter of shape {shape} batch axes, so Muon {verb} "
+            f"{count} separate {rows}x{cols} matrices; but its logical axis names {names} call "
+            f"{tuple(names[a] for a in bad)} part of the matrix")
+  if per_leaf:
+    warnings.warn(
+        f"{path}: the matrix_axes entry for this parameter, {axes}, {what}. The entry for this leaf wins over "
+        "its names (names may describe sharding only, as the names ('embed_no_exp', None, 'mlp') of MaxText's "
+        "fsdp_shard_on_exp expert kernels do); leave it at None to let the names decide", UserWarning, stacklevel=2)
     return
   try:
     fix = ("leave this parameter at None in matrix_axes so that its names decide "
            f"({axes_from_names(path, shape, names)})")
   except ValueError:
     fix = "pass MatrixAxes whose batch axes are only its stacked-layer and expert axes"
-  count = math.prod(shape[a] for a in batch)
-  rows, cols = math.prod(shape[a] for a in fi), math.prod(shape[a] for a in fo)
+  nested = repr(axes)
+  for part in reversed(path.split("/")):
+    nested = f"{{{part!r}: {nested}}}"
+  works = (f"If the names describe sharding, not the matrix (MaxText's fsdp_shard_on_exp names its expert axis "
+           f"'embed_no_exp'), and you do mean {matrices}, declare them for this leaf alone: an entry of a "
+           f"matrix_axes pytree (or of a callable's result) for {path}, e.g. matrix_axes={nested}, wins over its "
+           "names (with a UserWarning); one MatrixAxes for every leaf is checked against every leaf's names")
   if merged:
-    raise ValueError(
-        f"{path}: matrix_axes={axes} makes the expert axes {merged} of the parameter of shape {shape} (logical "
-        f"names {names}) part of the matrix, so Muon would orthogonalize its experts together as "
-        f"{'one' if count == 1 else count} {rows}x{cols} {'matrix' if count == 1 else 'matrices'}; each expert's "
-        "matrix is its own (a batch axis). "
-        f"{fix[0].upper() + fix[1:]}")
+    raise ValueError(f"{path}: matrix_axes={axes} {what}; each expert's matrix is its own (a batch axis). "
+                     f"{fix[0].upper() + fix[1:]}. {works}")
   raise ValueError(
-      f"{path}: matrix_axes={axes} makes axes {bad} of the parameter of shape {shape} batch axes, so Muon would "
-      f"orthogonalize {count} separate {rows}x{cols} matrices; but its logical axis names {names} call "
-      f"{tuple(names[a] for a in bad)} part of the matrix (expected only stacked-layer {sorted(LAYER_NAMES)}, "
-      f"expert {sorted(EXPERT_NAMES)} or unnamed axes as batch axes). {fix[0].upper() + fix[1:]}")
+      f"{path}: matrix_axes={axes} {what} (expected only stacked-layer {sorted(LAYER_NAMES)}, "
+      f"expert {sorted(EXPERT_NAMES)} or unnamed axes as batch axes). {fix[0].upper() + fix[1:]}. {works}")
 
 
 def matrix_axes_lookup(spec: MatrixAxesSpec, tree: Any, *,
@@ -195,12 +233,22 @@ def matrix_axes_lookup(spec: MatrixAxesSpec, tree: Any, *,
   ``rms_match="keller"`` an undeclared non-square 2-D leaf named ``weight`` (torch's
   ``(out, in)`` convention) is a ValueError.
 
-  Explicit axes win over logical names, but may not contradict them: an axis the spec makes
-  a batch axis must be named for stacked layers or experts (or carry no name, as ``nn.scan``
-  without a partition name leaves it), and an expert axis must stay a batch axis, else
-  ValueError. So an explicit ``MatrixAxes((-2,), (-1,))`` cannot quietly split a DenseGeneral
-  kernel ``("embed", "heads", "kv")`` into one matrix per ``embed`` row, nor
-  ``MatrixAxes((0, 1), (2,))`` merge the experts of ``("exp", "embed", "mlp")`` into one matrix.
+  Explicit axes win over logical names; how they may disagree with them depends on whom they
+  were given for (``_check_batch_names``). Disagreeing means batching an axis not named for
+  stacked layers or experts (unnamed is fine, as ``nn.scan`` without a partition name leaves
+  it), or putting an expert axis into the matrix.
+
+  * An entry of a ``matrix_axes`` pytree (or of a callable's result) declares this leaf's
+    matrix: it is used even where the names disagree, with a UserWarning naming the path, the
+    names and the axes (once per leaf for this lookup, i.e. per ``init``). Names can describe
+    sharding only: MaxText's ``fsdp_shard_on_exp`` names its expert kernels ``(experts, embed,
+    mlp)`` ``("embed_no_exp", None, "mlp")``, and ``MatrixAxes((-2,), (-1,))`` for them is one
+    matrix per expert, as MaxText's ``muon_utils.py`` declares.
+  * One ``MatrixAxes`` for every leaf was not aimed at any one leaf: disagreeing with a leaf's
+    names is a ValueError that names the per-leaf entry that works. So the scan hint
+    ``MatrixAxes((-2,), (-1,))`` cannot quietly split a DenseGeneral kernel ``("embed",
+    "heads", "kv")`` into one matrix per ``embed`` row, nor ``MatrixAxes((0, 1), (2,))`` merge
+    the experts of ``("exp", "embed", "mlp")`` into one matrix.
   """
   if callable(spec) and not isinstance(spec, MatrixAxes):
     spec = spec(tree)
@@ -212,13 +260,18 @@ def matrix_axes_lookup(spec: MatrixAxesSpec, tree: Any, *,
       table[path_str(p)] = as_matrix_axes(leaf, f"matrix_axes: leaf at {path_str(p)}")
   names = names_by_path(tree)
   typed = storage_axes(tree)
+  checked: set[str] = set()  # per-leaf entries already checked against the names (warned at most once)
 
   def lookup(path: str, shape: tuple[int, ...]) -> MatrixAxes:
-    axes = single if table is None else table.get(path)
-    if axes is not None:
+    if table is not None and table.get(path) is not None:
+      if path in names and path not in checked:
+        _check_batch_names(path, shape, names[path], table[path], per_leaf=True)
+        checked.add(path)
+      return table[path]
+    if single is not None:
       if path in names:
-        _check_batch_names(path, shape, names[path], axes)
-      return axes
+        _check_batch_names(path, shape, names[path], single)
+      return single
     if path in typed:
       return declared_matrix_axes(typed[path])
     if path in names and not (len(shape) == 2 and None in names[path]):

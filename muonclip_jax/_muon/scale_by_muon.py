@@ -13,8 +13,9 @@ transfer), Keller Jordan's ``sqrt(max(1, fan_out / fan_in))``, or 1.
 
 Finite gradients never overflow: a constant gradient of 2e37 makes ``M_t`` pass
 float32's largest (it tends to ``G / (1 - mu)``), and ``G + mu M_t`` does from ``G`` ~ 1.8e38.
-So each leaf's momentum is stored as ``M_t / s_t`` (``ScaleByMuonState``), ``s_t`` a power of
-two >= 1 chosen at each step (``rescale``, from the leaf's largest entries) so that ``M_t / s_t``
+So each matrix's momentum is stored as ``M_t / s_t`` (``ScaleByMuonState``), ``s_t`` a power
+of two >= 1 chosen at each step (``momentum_scale.rescale``, from the matrix's largest entries;
+one per layer or expert of a stack, so a neighbour's size never moves it) so that ``M_t / s_t``
 stays below about half of the dtype's largest and the direction ``(G_t + mu M_t) / s_t``
 below about three quarters (the bound is in ``rescale``). Dividing by a power of two is
 exact, and ``NewtonSchulz`` is scale-invariant (up to its ``eps``, negligible there: ``s_t > 1``
@@ -33,16 +34,15 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jax import lax
 
-from .._util import check_bool, check_number, MatrixAxesSpec, MetadataMemo, path_str, skip_frozen_leaves
+from .._util import check_bool, check_number, is_box, MatrixAxesSpec, MetadataMemo, path_str, skip_frozen_leaves
 from .._orthogonalize import (check_target, orthogonalize_leaves, orthogonalize_leaves_sharded, resolve_coeffs,
                               resolve_options)
 from .block_orthogonalize import orthogonalize_blocks
 from .layout_matrices import check_blocks, muon_blocks_lookup
 from .blocks import piece_dims
+from .momentum_scale import in_units, rescale, scale_dtype, scale_shape
 from .._clip import LayoutSpec, report_layout
 
 RMS_MODES = ("moonlight", "keller", None)
@@ -51,7 +51,9 @@ RMS_MODES = ("moonlight", "keller", None)
 class ScaleByMuonState(NamedTuple):
   """State of ``scale_by_muon``: the momentum of each leaf, stored divided by a power of two.
 
-  The momentum ``M_t`` of a leaf is ``mu * mu_scale``. ``mu_scale`` is 1 unless ``M_t`` or the
+  The momentum ``M_t`` of a leaf is ``mu * mu_scale``, one scale per matrix (``mu_scale`` has
+  shape ``()`` for one matrix, ``(experts, 1, 1)`` for an expert stack ``(experts, in, out)``:
+  ``momentum_scale.scale_shape``; never boxed). ``mu_scale`` is 1 unless ``M_t`` or the
   update direction would overflow ``mu``'s or the gradient's dtype (finite gradients near
   float32's largest, or a momentum past float16's 65504): then it is the power of two that
   keeps them in range, and it returns to 1 once the momentum fits again (see ``rescale``).
@@ -79,81 +81,28 @@ class ScaleByMuonState(NamedTuple):
   """
 
   mu: optax.Updates  # M_t / mu_scale; shapes of the params, dtype mu_dtype (default: the params')
-  mu_scale: optax.Updates  # per leaf a power of two >= 1, shape=(), float32 (float64 for float64 momentum)
+  mu_scale: optax.Updates  # powers of two >= 1, float32 (float64 for float64 momentum): shape () for a leaf
+  # of one matrix; for a stack (layers, experts) the leaf's rank, its stacked sizes and 1 elsewhere
 
 
-def scale_dtype(dtype: Any) -> Any:
-  """The dtype of a leaf's ``mu_scale`` and of its rescaling: float32, or float64 for float64."""
-  return jnp.promote_types(jnp.float32, dtype)
+def unboxed(tree: Any) -> Any:
+  """``tree`` with each box (Linen ``nn.Partitioned``, NNX variable) replaced by what it holds."""
+  def content(x):
+    inside = jax.tree.leaves(x)
+    return inside[0] if inside else optax.MaskedNode()
+  return jax.tree.map(lambda x: content(x) if is_box(x) else x, tree, is_leaf=is_box)
 
 
-def in_units(g: jax.Array, s: jax.Array) -> jax.Array:
-  """``g / s`` for a power of two ``s`` (exact), and ``g`` itself (selected) where ``s == 1``.
-
-  Written in ``lax`` (as ``rescale``): it is traced once per leaf, and each ``jnp`` call is a
-  nested ``jit`` that costs tracing time on a model of hundreds of leaves."""
-  dt = s.dtype
-  return lax.select(lax.eq(s, np.ones((), dt)), g, lax.div(g.astype(dt), s).astype(g.dtype))
-
-
-def rescale(ms: list, gs: list, ss: list) -> list[tuple[jax.Array, jax.Array]]:
-  """``[(m_in, s_new)]``: each leaf's momentum in the units of its new ``mu_scale``, and that scale.
-
-  The true momentum is ``m * s = m_in * s_new``; the gradient in those units is ``g_in =
-  in_units(g, s_new)``. Both are exact: ``s`` and ``s_new`` are powers of two (only entries
-  below ~2^-250 of the largest can underflow).
-
-  Bound: let ``T = 2^(x - 3)``, ``x`` the ``maxexp`` of the narrower of ``m``'s and ``g``'s
-  dtypes (float32, bfloat16: ``T = 2^125 ~ 4.3e37``; float16: ``2^13``); both dtypes' largest
-  is at least ``2^(x - 1) = 4T``. ``s_new`` makes ``|m_in|, |g_in| <= T``. With ``u`` the unit
-  roundoff, the new momentum is then ``|beta m_in + g_in| <= (1 + beta) T (1 + u)^2 < 2.01 T``
-  and the Nesterov direction ``|g_in + beta M| <= (T + 2.01 T)(1 + u)^2 < 3.1 T``, both below
-  ``4T``: neither overflows, in either dtype (nor does ``M`` cast to the gradient's dtype).
-
-  ``s_new`` is the smallest power of two >= 1 that puts the largest entry ``a`` of ``m s /
-  s_new`` and ``g / s_new`` below ``T`` (``a`` scaled by ``2^(x - 3 - k)`` for ``a = f 2^k``,
-  ``f`` in [0.5, 1)), except that it never grows while ``a < T``: it goes back to 1 once the
-  momentum decays. A non-finite ``a`` keeps ``s``. Where ``s_new == s == 1`` the inputs are
-  returned as they are (selected, not multiplied by 1, so that ``beta * m + g`` downstream
-  keeps its exact form and rounding: the plain formula's operations).
-
-  Per leaf this is one fused reduction (``a``), a few scalar integer operations on ``a``'s
-  exponent bits (``_power_of_two_below``) and a select: a deep unscanned model has hundreds of
-  leaves, and per-leaf scalar code (``frexp``/``ldexp``, or a vector of all leaves' scalars
-  that every leaf then reads) multiplied the update's compile time (``benchmarks/RESULTS.md``,
-  "The scaled momentum's compile time").
-  """
-  out = []
-  for m, g, s in zip(ms, gs, ss):
-    x = min(jnp.finfo(m.dtype).maxexp, jnp.finfo(g.dtype).maxexp)
-    dt, one = s.dtype, np.ones((), s.dtype)
-    # max(max|m|, max|g| / s) in one reduction: s is a power of two, so dividing each entry
-    # first gives the same maximum
-    a = lax.reduce_max(lax.max(lax.abs(m.astype(dt)), lax.div(lax.abs(g.astype(dt)), s)), tuple(range(m.ndim)))
-    # c: the largest power of two with a c < T; below 1 (s grows) only where a >= T. Where
-    # a < T, c >= 1 and s / c must stay >= 1: min(c, s) lets s fall back towards 1 but not past it
-    c = lax.select(lax.is_finite(a), lax.min(_power_of_two_below(a, x - 3), s), one)
-    out.append((lax.select(lax.eq(c, one), m, lax.mul(m.astype(dt), c).astype(m.dtype)), lax.div(s, c)))
-  return out
-
-
-def _power_of_two_below(a: jax.Array, t: int) -> jax.Array:
-  """``2^(t - k)`` for ``a = f 2^k``, ``f`` in [0.5, 1) (``frexp``'s ``k``): the largest power of
-  two ``c`` with ``a c < 2^t``, for a finite ``a > 0`` of a normal exponent; clamped to the
-  dtype's normal powers of two (so a zero or subnormal ``a`` gives the largest, ``2^bias``,
-  where ``ldexp`` would give inf: ``rescale`` then clips it to ``s`` all the same).
-
-  Read from ``a``'s exponent bits: ``a``'s biased exponent ``e`` gives ``k = e - bias + 1``,
-  and ``c``'s biased exponent is ``t - k + bias``. A handful of integer operations, where
-  ``frexp`` and ``ldexp`` are a few dozen (they handle subnormals and signs, which ``a`` never
-  needs).
-  """
-  info = jnp.finfo(a.dtype)
-  bias, itype = info.maxexp - 1, np.dtype(f"int{info.bits}")
-  const = lambda v: np.asarray(v, itype)  # noqa: E731
-  e = lax.shift_right_logical(lax.bitcast_convert_type(a, itype), const(info.nmant))
-  ec = lax.clamp(const(1), lax.sub(const(t - 1 + 2 * bias), e), const(2 * bias))
-  return lax.bitcast_convert_type(lax.shift_left(ec, const(info.nmant)), a.dtype)
+def _leaves_at(tree: Any, paths: list[str], name: str) -> tuple[list, Any]:
+  """The arrays of a state tree, in the order of the updates' ``paths`` (checked), and its treedef."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  got = [path_str(p) for p, _ in flat]
+  if got != paths:
+    missing, extra = sorted(set(paths) - set(got))[:3], sorted(set(got) - set(paths))[:3]
+    raise ValueError(f"scale_by_muon: the state's {name} does not hold the leaves of the updates (missing "
+                     f"{missing}, unexpected {extra}): a state from another model, or from before mu_scale "
+                     "(muonclip_jax.upgrade_opt_state brings a saved state forward)")
+  return [x for _, x in flat], treedef
 
 
 def rms_factor(rms_match: str | None, rms_scale: Any, fan_in: int, fan_out: int) -> Any:
@@ -365,6 +314,9 @@ def scale_by_muon(
   check_number("beta", beta, low=0.0, high=1.0, high_open=True)
   check_number("rms_scale", rms_scale, low=0.0, high=math.inf, high_open=True)
   check_number("eps", eps, low=0.0, high=math.inf, high_open=True)
+  if mu_dtype is not None and not jnp.issubdtype(mu_dtype, jnp.floating):
+    raise TypeError(f"mu_dtype must be a floating dtype (float32, bfloat16, float16) or None for the "
+                    f"gradient's, got {mu_dtype!r}")
   if rms_match not in RMS_MODES:
     raise ValueError(f"rms_match must be one of {RMS_MODES}, got {rms_match!r}")
   ns_kwargs = dict(steps=ns_steps, coeffs=ns_coeffs, eps=eps, compute_dtype=compute_dtype, method=ns_method,
@@ -381,11 +333,18 @@ def scale_by_muon(
     table = {}
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
       p = path_str(path)
+      if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        raise TypeError(f"scale_by_muon: the parameter at {p} is complex ({x.dtype}); Muon's Newton–Schulz and "
+                        "its momentum scale are real: route it to another optimizer (labels=), or store it as "
+                        "its real and imaginary parts")
       table[p] = lookup(p, x.shape)
       piece_dims(table[p], p, x.shape)
     memo.remember(params, table)
     mu = optax.tree.zeros_like(params, dtype=mu_dtype)
-    return ScaleByMuonState(mu=mu, mu_scale=jax.tree.map(lambda m: jnp.ones((), scale_dtype(m.dtype)), mu))
+    # mu_scale is never boxed: a box's logical names are the parameter's, not a per-matrix scale's
+    scales = [jnp.ones(scale_shape(table[path_str(p)], path_str(p), m.shape), scale_dtype(m.dtype))
+              for p, m in jax.tree_util.tree_flatten_with_path(mu)[0]]
+    return ScaleByMuonState(mu=mu, mu_scale=jax.tree.unflatten(jax.tree.structure(unboxed(mu)), scales))
 
   def update_fn(updates, state, params=None):
     del params
@@ -394,15 +353,25 @@ def scale_by_muon(
     lookup = blocks_of(updates) if table is None else (lambda p, _: table[p])
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     leaves = [g for _, g in flat]
-    scaled = rescale(treedef.flatten_up_to(state.mu), leaves, treedef.flatten_up_to(state.mu_scale))
+    paths = [path_str(p) for p, _ in flat]
+    # leaf by leaf by path, whatever boxes either side holds (Linen boxes at init, bare arrays
+    # at update); each tree keeps its own structure
+    mus, mu_def = _leaves_at(state.mu, paths, "mu")
+    old_scales, scale_def = _leaves_at(state.mu_scale, paths, "mu_scale")
+    for p, m, sc in zip(paths, mus, old_scales):
+      if sc.dtype != scale_dtype(m.dtype):
+        raise TypeError(
+            f"scale_by_muon: the state's mu_scale at {p} is {sc.dtype}, but a momentum of {m.dtype} needs "
+            f"{scale_dtype(m.dtype)} (its powers of two reach the dtype's largest: a cast state, e.g. "
+            "optax.tree.cast, overflows it): keep mu_scale as init gives it, or pass mu_dtype= to store "
+            "the momentum in another dtype")
+    blocks = [lookup(p, g.shape) for p, g in zip(paths, leaves)]
+    scaled = rescale(mus, leaves, old_scales)
     scales = [s for _, s in scaled]
     # M_t / s_t in mu's dtype; the gradient is divided by s_t where it is read (here and in the
     # direction), never stored: no temporary per leaf
     flat_mu = [(beta * m + in_units(g, s)).astype(m.dtype) for (m, s), g in zip(scaled, leaves)]
-    state = ScaleByMuonState(mu=jax.tree_util.tree_unflatten(treedef, flat_mu),
-                             mu_scale=jax.tree_util.tree_unflatten(treedef, scales))
-    paths = [path_str(p) for p, _ in flat]
-    blocks = [lookup(p, g.shape) for p, (_, g) in zip(paths, flat)]
+    state = ScaleByMuonState(mu=jax.tree.unflatten(mu_def, flat_mu), mu_scale=jax.tree.unflatten(scale_def, scales))
 
     def direction(i, g, m):  # leaf i's (a slice of it), divided by its mu_scale
       if not nesterov:

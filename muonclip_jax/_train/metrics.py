@@ -12,10 +12,29 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from .._clip import (clip_decisions, merge_max_logits, nest_max_logits, no_clip_decisions, qk_clip_stats,
                      threshold_or_nan)
 from .opt_state_view import OptStateView
+
+
+def grad_norm(grads: Any) -> jax.Array:
+  """The global L2 norm of ``grads`` (``optax.tree.norm``), finite whenever it is representable.
+
+  ``optax.tree.norm`` sums squares, which overflow from entries near 1.8e19 in float32 and
+  report inf for a finite norm. Where it does and every entry is finite, the norm is taken
+  again of ``grads / m`` (``m`` the largest magnitude) and multiplied back by ``m``; elsewhere
+  it is ``optax.tree.norm``'s, bit for bit.
+  """
+  plain = optax.tree.norm(grads)
+  leaves = [jnp.asarray(g, jnp.float32) for g in jax.tree.leaves(grads) if jnp.size(g)]
+  if not leaves:
+    return plain
+  m = jnp.max(jnp.stack([jnp.max(jnp.abs(g)) for g in leaves]))
+  safe = jnp.where((m > 0) & jnp.isfinite(m), m, 1.0)
+  scaled = safe * jnp.sqrt(sum(jnp.sum(jnp.square(g / safe)) for g in leaves))
+  return jnp.where(jnp.isfinite(plain) | ~jnp.isfinite(m), plain, scaled.astype(plain.dtype))
 
 
 def step_threshold(given: Any, before: OptStateView, after: OptStateView,

@@ -60,7 +60,8 @@ def loss_grads_maxima(forward: Callable, params: Any, batch: Any, rng: Any, k: i
   ``forward(params, batch, rng) -> (loss, (maxima, aux))`` (``capturing_forward``). With
   ``k == 1`` one pass; with ``k > 1`` a ``lax.scan`` over the microbatches (``rng`` split
   into one key each): the loss, the gradients and ``aux`` are averaged (``aux`` in at
-  least float32), the maxima ``{module: (*stack, H)}`` combined by maximum. The gradient
+  least float32; each microbatch's share divided by ``k`` before it is added, so that ``k``
+  finite gradients near the dtype's largest do not overflow their sum), the maxima ``{module: (*stack, H)}`` combined by maximum. The gradient
   of an integer or boolean leaf (a step counter kept in the params) is a zero of its dtype
   (``jax.grad``'s ``float0``, made addable), which the library's optimizers leave alone.
   """
@@ -82,16 +83,18 @@ def loss_grads_maxima(forward: Callable, params: Any, batch: Any, rng: Any, k: i
       jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)), aux_shape),
   )
 
-  def body(carry, mb):
-    loss_sum, grad_sum, running, aux_sum = carry
-    (loss, (maxima, aux)), grads = grad_fn(params, *mb)
-    grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
-    aux_sum = jax.tree.map(lambda a, b: a + b.astype(a.dtype), aux_sum, aux)
-    return (loss_sum + loss, grad_sum, merge_max_logits(running, maxima), aux_sum), None
+  def mean_part(x):  # x / k before summing: a sum of k finite gradients near the dtype's largest overflows
+    return (x / k).astype(x.dtype)
 
-  (loss_sum, grad_sum, maxima, aux_sum), _ = jax.lax.scan(body, init, micro)
-  grads = jax.tree.map(lambda g: (g / k).astype(g.dtype), grad_sum)
-  return loss_sum / k, grads, maxima, jax.tree.map(lambda a: a / k, aux_sum)
+  def body(carry, mb):
+    loss_mean, grad_mean, running, aux_mean = carry
+    (loss, (maxima, aux)), grads = grad_fn(params, *mb)
+    grad_mean = jax.tree.map(lambda a, g: a + mean_part(g), grad_mean, grads)
+    aux_mean = jax.tree.map(lambda a, b: a + mean_part(b.astype(a.dtype)), aux_mean, aux)
+    return (loss_mean + mean_part(loss), grad_mean, merge_max_logits(running, maxima), aux_mean), None
+
+  (loss, grads, maxima, aux), _ = jax.lax.scan(body, init, micro)
+  return loss, grads, maxima, aux
 
 
 def maxima_on(forward: Callable, params: Any, batch: Any, rng: Any, k: int) -> dict[str, jax.Array]:

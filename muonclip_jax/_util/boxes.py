@@ -92,3 +92,30 @@ class MetadataMemo:
     if has_boxes(tree):
       return None
     return self._tables.get(skeleton(tree))
+
+
+def _is_linen_box(x: Any) -> bool:
+  return isinstance(x, flax_meta.AxisMetadata)
+
+
+def accept_bare_updates(tx: Any) -> Any:
+  """``tx`` whose ``update`` takes bare arrays against a state that a boxed ``init`` made.
+
+  Linen params boxed at ``init`` (``nn.with_logical_partitioning``) give a state whose
+  per-parameter leaves keep their boxes (so ``nn.get_partition_spec`` shards the state as the
+  params), and optax's transforms then refuse bare gradients at ``update`` (a box meets an
+  array). Here the state's Linen boxes are opened for the update and the new state is put back
+  into the same boxes, so both forms work: the state keeps its structure and metadata.
+  Boxed updates, or a state without Linen boxes (NNX: ``nnx.Optimizer`` hands bare state), go
+  to ``tx`` as they are.
+  """
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if has_boxes(updates) or not any(_is_linen_box(x) for x in jax.tree.leaves(state, is_leaf=_is_linen_box)):
+      return tx.update(updates, state, params, **extra_args)
+    bare = jax.tree.map(lambda x: x.value if _is_linen_box(x) else x, state, is_leaf=_is_linen_box)
+    updates, new = tx.update(updates, bare, params, **extra_args)
+    return updates, jax.tree.map(lambda old, x: old.replace_boxed(x) if _is_linen_box(old) else x, state, new,
+                                 is_leaf=_is_linen_box)
+
+  return type(tx)(tx.init, update_fn)

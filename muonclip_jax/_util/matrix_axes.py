@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -30,9 +31,17 @@ class MatrixAxes:
   ``MatrixAxes((0,), (1, 2))``; an output projection ``(heads, head_dim, out)`` is
   ``MatrixAxes((0, 1), (2,))``.
 
+  A fused MLP projection stores two matrices in one leaf: ``fused=(axis, n)`` says that
+  ``axis`` (one of the fan axes) holds ``n`` equal parts one after the other, each its own
+  matrix with its own RMS factor, as if stored apart. Hugging Face transformers' (v5)
+  ``gate_up_proj``, ``(experts, 2 * intermediate, hidden)`` with gate then up, is
+  ``MatrixAxes(fan_in=(-1,), fan_out=(-2,), fused=(-2, 2))`` (Muon finds this one by its
+  name, ``_muon.fused_mlp``); ``fused=(axis, 1)`` keeps it one matrix.
+
   Attributes:
     fan_in: axes that form the rows.
     fan_out: axes that form the columns.
+    fused: ``(axis, n)``: ``axis`` holds ``n`` equal parts, each a matrix; None: one matrix.
 
   Example:
     >>> import jax, jax.numpy as jnp, muonclip_jax as mc
@@ -50,12 +59,38 @@ class MatrixAxes:
 
   fan_in: tuple[int, ...]
   fan_out: tuple[int, ...]
+  fused: tuple[int, int] | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "fan_in", tuple(int(a) for a in self.fan_in))
     object.__setattr__(self, "fan_out", tuple(int(a) for a in self.fan_out))
     if not self.fan_in or not self.fan_out:
       raise ValueError(f"MatrixAxes needs at least one fan_in and one fan_out axis, got {self}")
+    if self.fused is not None:
+      fused = tuple(self.fused)
+      if (len(fused) != 2 or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in fused)
+          or fused[1] < 1):
+        raise ValueError(f"MatrixAxes: fused must be (axis, n), two ints, n >= 1 parts, got fused={self.fused!r}")
+      object.__setattr__(self, "fused", (int(fused[0]), int(fused[1])))
+
+  def __repr__(self) -> str:
+    extra = "" if self.fused is None else f", fused={self.fused}"
+    return f"MatrixAxes(fan_in={self.fan_in}, fan_out={self.fan_out}{extra})"
+
+  def fused_part(self, path: str, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(axis, n)`` of ``fused`` with ``axis`` non-negative, None for one matrix (``n == 1`` too);
+    ValueError naming ``path`` when ``n`` does not divide the axis."""
+    if self.fused is None or self.fused[1] == 1:
+      return None
+    _, fan_in, fan_out = self.resolve(path, shape)
+    axis, n = self.fused[0] % len(shape) if -len(shape) <= self.fused[0] < len(shape) else None, self.fused[1]
+    if axis not in fan_in + fan_out:
+      raise ValueError(f"{path}: {self} cuts axis {self.fused[0]} of the parameter of shape {tuple(shape)}, which is "
+                       "not one of its fan_in or fan_out axes")
+    if shape[axis] % n:
+      raise ValueError(f"{path}: {self} cuts axis {axis} of the parameter of shape {tuple(shape)} into {n} equal "
+                       f"parts, but {n} does not divide {shape[axis]}")
+    return axis, n
 
   def resolve(self, path: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """Returns ``(batch, fan_in, fan_out)`` axes of ``shape``, normalized to be non-negative."""

@@ -1,4 +1,11 @@
-"""Pytree key paths as strings: ``a/b/c``, without the ``value`` key of boxed leaves."""
+"""Pytree key paths as strings: ``a/b/c``, without the ``value`` key of boxed leaves.
+
+A key's components are read as the nested form's, whatever the dict stores: a flat dict's
+dotted key (``safetensors.load_file``, torch's ``state_dict``: ``"model.layers.0.mlp.gate.weight"``)
+and tuple key (``flax.traverse_util.flatten_dict``: ``("model", "layers", "0", ...)``) give the
+same ``model/layers/0/mlp/gate/weight`` as nested dicts and ``"/"``-joined keys do, so every
+rule that reads a path (``muon_labels``, ``matrix_axes``, the layouts) sees one path.
+"""
 
 from __future__ import annotations
 
@@ -24,9 +31,18 @@ def strip_value(path: Sequence[Any]) -> tuple:
   return path
 
 
+def components(key: Any) -> tuple[str, ...]:
+  """The path components one pytree key entry stands for: a tuple key's items, a dotted
+  string key's dot-separated parts, else the key's name (module docstring)."""
+  name = key_name(key)
+  if isinstance(name, tuple):
+    return tuple(c for item in name for c in str(item).split("."))
+  return tuple(str(name).split(".")) if isinstance(name, str) else (str(name),)
+
+
 def keystr(path: Sequence[Any]) -> str:
-  """``a/b/c`` for a key path."""
-  return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+  """``a/b/c`` for a key path, each key read as its ``components``."""
+  return "/".join(c for key in path for c in components(key))
 
 
 def path_str(path: Sequence[Any]) -> str:

@@ -24,6 +24,18 @@ gemma's own function in its place with one name of the function's globals reboun
 to ``jax.numpy`` whose ``where`` also sows the maximum when gemma masks its logits. Nothing
 in ``gemma`` is modified: other calls, threads and modules are untouched.
 
+Traces made inside and outside the capture are never shared. ``gm.nn.Transformer.__call__``
+runs under Flax's ``nn.jit``, whose cache of traces is keyed by the module, the mutable
+collections and the argument shapes, not by the interceptors active when it traced: an apply
+with ``mutable=["intermediates"]`` outside the capture (an eval step) would otherwise leave a
+trace without the sows that every later captured apply of the same shapes reused, and a
+captured trace would sow in a later apply outside the capture. The capture therefore also
+sets a JAX user context (public ``jax.make_user_context``), which ``jax.jit`` adds to the key
+of its tracing, lowering and compilation caches: ``nn.jit``'s inner ``jax.jit``, and any
+``jax.jit`` entered inside the capture, trace once with the capture and once without. A
+``capture_gemma()`` object can be entered again, and nested; each ``with`` is undone by its
+own exit.
+
 Private API, read from gemma 3.3.0 (Python 3.11) and 4.0.1 (Python 3.12), the same in both:
 the module ``gemma.gm.nn._modules``, its ``Attention`` and ``K_MASK``, and that
 ``Attention.__call__`` masks its ``(batch, query, heads, key)`` logits with
@@ -41,23 +53,29 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from .sow import sow_max_logits
 
 READ_FROM = "gemma 3.3.0 and 4.0.1"
 
+# Part of jax.jit's cache keys: "capture_gemma" inside a capture, None outside. Created once, at
+# import (jax.make_user_context is not thread-safe against other JAX calls).
+_IN_CAPTURE = jax.make_user_context(default_value=None)
+
 
 def _gemma_modules() -> Any:
   try:
     from gemma.gm.nn import _modules
   except ImportError as err:
-    raise ImportError(f"capture_gemma needs Google DeepMind's gemma package (pip install gemma): {err}") from err
+    raise ImportError("capture_gemma needs Google DeepMind's gemma package (pip install gemma sentencepiece==0.2.2: "
+                      f"sentencepiece 0.2.3 fails to import with gemma's protobuf; docs/your-model.md): {err}") from err
   for name in ("Attention", "K_MASK"):
     if not hasattr(_modules, name):
       raise RuntimeError(f"capture_gemma: gemma.gm.nn._modules has no {name!r} (read from {READ_FROM}); "
@@ -89,9 +107,55 @@ def _with_numpy(fn: types.FunctionType, numpy: Any) -> types.FunctionType:
   return bound
 
 
-@contextlib.contextmanager
-def capture_gemma() -> Iterator[None]:
+class _CaptureGemma:
+  """The context manager ``capture_gemma()`` returns: reusable and re-entrant (module docstring)."""
+
+  def __init__(self, modules: Any):
+    self._modules = modules
+    self._open = threading.local()  # per thread, as Flax's interceptors and JAX's contexts: a stack of exits
+
+  def __enter__(self) -> None:
+    if not hasattr(self._open, "exits"):
+      self._open.exits = []
+    with contextlib.ExitStack() as stack:
+      stack.enter_context(_IN_CAPTURE("capture_gemma"))
+      stack.enter_context(nn.intercept_methods(functools.partial(_intercept, self._modules)))
+      self._open.exits.append(stack.pop_all())
+
+  def __exit__(self, *exc_info: Any) -> bool:
+    return self._open.exits.pop().__exit__(*exc_info)
+
+
+def _intercept(modules: Any, next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
+  """Runs a gemma ``Attention.__call__`` with the sowing ``jnp``; any other call as it is."""
+  module = context.module
+  if context.method_name != "__call__" or not isinstance(module, modules.Attention):
+    return next_fun(*args, **kwargs)
+  if module.attn_logits_soft_cap is not None:
+    raise ValueError(
+        f"capture_gemma: attention {'/'.join(module.path)!r} soft-caps its logits "
+        f"(attn_logits_soft_cap={module.attn_logits_soft_cap}, Gemma 2) and masks them after the cap, where "
+        "a maximum cannot exceed the cap; sow before it as examples/recipe_gemma.py does")
+  numpy = _SowingNumpy(module, modules.K_MASK)
+  if not isinstance(context.orig_method, functools.partial):  # flax 0.12: partial(function, module)
+    raise RuntimeError(f"capture_gemma: flax's InterceptorContext.orig_method is {context.orig_method!r}, "
+                       "not partial(function, module) as in flax 0.12; this flax release moved it")
+  raw = context.orig_method.func
+  out = _with_numpy(raw, numpy)(module, *args, **kwargs)
+  if not numpy.sown:
+    raise RuntimeError(
+        f"capture_gemma: gemma's attention {'/'.join(module.path)!r} did not mask its logits with "
+        f"jnp.where(mask, logits, K_MASK) (read from {READ_FROM}); this gemma release computes them "
+        "differently, so no maximum was captured")
+  return out
+
+
+def capture_gemma() -> contextlib.AbstractContextManager[None]:
   """Within it, every ``gemma`` package attention sows its per-head max logits (module docstring).
+
+  The returned object may be entered again (``c = capture_gemma()``, then ``with c:`` in each
+  step) and nested. Traces of gemma's ``nn.jit`` (and of any ``jax.jit`` entered inside the
+  capture) made within and outside it are kept apart (module docstring).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -112,29 +176,4 @@ def capture_gemma() -> Iterator[None]:
     ValueError: (at trace time) an attention soft-caps its logits (Gemma 2).
     RuntimeError: the installed gemma no longer has the names or the masking this reads.
   """
-  modules = _gemma_modules()
-
-  def interceptor(next_fun, args, kwargs, context):
-    module = context.module
-    if context.method_name != "__call__" or not isinstance(module, modules.Attention):
-      return next_fun(*args, **kwargs)
-    if module.attn_logits_soft_cap is not None:
-      raise ValueError(
-          f"capture_gemma: attention {'/'.join(module.path)!r} soft-caps its logits "
-          f"(attn_logits_soft_cap={module.attn_logits_soft_cap}, Gemma 2) and masks them after the cap, where "
-          "a maximum cannot exceed the cap; sow before it as examples/recipe_gemma.py does")
-    numpy = _SowingNumpy(module, modules.K_MASK)
-    if not isinstance(context.orig_method, functools.partial):  # flax 0.12: partial(function, module)
-      raise RuntimeError(f"capture_gemma: flax's InterceptorContext.orig_method is {context.orig_method!r}, "
-                         "not partial(function, module) as in flax 0.12; this flax release moved it")
-    raw = context.orig_method.func
-    out = _with_numpy(raw, numpy)(module, *args, **kwargs)
-    if not numpy.sown:
-      raise RuntimeError(
-          f"capture_gemma: gemma's attention {'/'.join(module.path)!r} did not mask its logits with "
-          f"jnp.where(mask, logits, K_MASK) (read from {READ_FROM}); this gemma release computes them "
-          "differently, so no maximum was captured")
-    return out
-
-  with nn.intercept_methods(interceptor):
-    yield
+  return _CaptureGemma(_gemma_modules())

@@ -1,0 +1,118 @@
+"""Muon's momentum kept as ``mu * mu_scale``: the power of two that keeps it in range.
+
+Finite gradients never overflow the momentum or the direction: a constant gradient of 2e37
+makes ``M_t`` pass float32's largest (it tends to ``G / (1 - mu)``), and ``G + mu M_t`` does
+from ``G`` ~ 1.8e38. ``scale_by_muon`` stores ``M_t / s_t`` (``ScaleByMuonState``), ``s_t`` a
+power of two >= 1 per matrix (one per leaf, one per layer or expert of a stack: ``scale_shape``)
+chosen at each step by ``rescale``; ``in_units`` reads a gradient in those units.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .blocks import stack_axes
+
+
+def scale_dtype(dtype: Any) -> Any:
+  """The dtype of a leaf's ``mu_scale`` and of its rescaling: float32, or float64 for float64."""
+  return jnp.promote_types(jnp.float32, dtype)
+
+
+def in_units(g: jax.Array, s: jax.Array) -> jax.Array:
+  """``g / s`` for a power of two ``s`` (exact), and ``g`` itself (selected) where ``s == 1``.
+
+  Written in ``lax`` (as ``rescale``): it is traced once per leaf, and each ``jnp`` call is a
+  nested ``jit`` that costs tracing time on a model of hundreds of leaves."""
+  dt = s.dtype
+  s = _spread(s, g.shape)
+  return lax.select(_spread(lax.eq(s, np.ones((), dt)), g.shape), g, lax.div(g.astype(dt), s).astype(g.dtype))
+
+
+def _spread(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """A per-matrix ``x`` (the leaf's rank, size 1 on its matrix axes) broadcast to ``shape``; a
+  per-leaf scalar as it is (``lax`` takes a scalar operand as it is)."""
+  return x if x.ndim == 0 or x.shape == tuple(shape) else lax.broadcast_in_dim(x, tuple(shape), tuple(range(x.ndim)))
+
+
+def rescale(ms: list, gs: list, ss: list) -> list[tuple[jax.Array, jax.Array]]:
+  """``[(m_in, s_new)]``: each leaf's momentum in the units of its new ``mu_scale``, and that scale.
+
+  ``s`` is a leaf's scalar, or one scale per matrix of a stack (``scale_shape``: the leaf's
+  rank, size 1 on the matrix axes); everything below holds per matrix then, the maximum taken
+  over the matrix axes only.
+
+  The true momentum is ``m * s = m_in * s_new``; the gradient in those units is ``g_in =
+  in_units(g, s_new)``. Both are exact: ``s`` and ``s_new`` are powers of two (only entries
+  below ~2^-250 of the largest can underflow).
+
+  Bound: let ``T = 2^(x - 3)``, ``x`` the ``maxexp`` of the narrower of ``m``'s and ``g``'s
+  dtypes (float32, bfloat16: ``T = 2^125 ~ 4.3e37``; float16: ``2^13``); both dtypes' largest
+  is at least ``2^(x - 1) = 4T``. ``s_new`` makes ``|m_in|, |g_in| <= T``. With ``u`` the unit
+  roundoff, the new momentum is then ``|beta m_in + g_in| <= (1 + beta) T (1 + u)^2 < 2.01 T``
+  and the Nesterov direction ``|g_in + beta M| <= (T + 2.01 T)(1 + u)^2 < 3.1 T``, both below
+  ``4T``: neither overflows, in either dtype (nor does ``M`` cast to the gradient's dtype).
+
+  ``s_new`` is the smallest power of two >= 1 that puts the largest entry ``a`` of ``m s /
+  s_new`` and ``g / s_new`` below ``T`` (``a`` scaled by ``2^(x - 3 - k)`` for ``a = f 2^k``,
+  ``f`` in [0.5, 1)), except that it never grows while ``a < T``: it goes back to 1 once the
+  momentum decays. A non-finite ``a`` keeps ``s``. Where ``s_new == s == 1`` the inputs are
+  returned as they are (selected, not multiplied by 1, so that ``beta * m + g`` downstream
+  keeps its exact form and rounding: the plain formula's operations).
+
+  Per leaf this is one fused reduction (``a``), a few scalar integer operations on ``a``'s
+  exponent bits (``_power_of_two_below``) and a select: a deep unscanned model has hundreds of
+  leaves, and per-leaf scalar code (``frexp``/``ldexp``, or a vector of all leaves' scalars
+  that every leaf then reads) multiplied the update's compile time (``benchmarks/RESULTS.md``,
+  "The scaled momentum's compile time").
+  """
+  out = []
+  for m, g, s in zip(ms, gs, ss):
+    x = min(jnp.finfo(m.dtype).maxexp, jnp.finfo(g.dtype).maxexp)
+    dt = s.dtype
+    # max(max|m|, max|g| / s) in one reduction: s is a power of two, so dividing each entry
+    # first gives the same maximum
+    # a per-matrix s (shape: the leaf's, size 1 on the matrix axes) reduces over those axes only
+    axes = tuple(range(m.ndim)) if s.ndim == 0 else tuple(i for i in range(m.ndim) if s.shape[i] == 1)
+    a = lax.reduce_max(lax.max(lax.abs(m.astype(dt)), lax.div(lax.abs(g.astype(dt)), _spread(s, g.shape))), axes)
+    a = a.reshape(s.shape)
+    # c: the largest power of two with a c < T; below 1 (s grows) only where a >= T. Where
+    # a < T, c >= 1 and s / c must stay >= 1: min(c, s) lets s fall back towards 1 but not past it
+    ones = np.ones(s.shape, dt)
+    c = lax.select(lax.is_finite(a), lax.min(_power_of_two_below(a, x - 3), s), ones)
+    grown = lax.mul(m.astype(dt), _spread(c, m.shape)).astype(m.dtype)
+    out.append((lax.select(_spread(lax.eq(c, ones), m.shape), m, grown), lax.div(s, c)))
+  return out
+
+
+def _power_of_two_below(a: jax.Array, t: int) -> jax.Array:
+  """``2^(t - k)`` for ``a = f 2^k``, ``f`` in [0.5, 1) (``frexp``'s ``k``): the largest power of
+  two ``c`` with ``a c < 2^t``, for a finite ``a > 0`` of a normal exponent; clamped to the
+  dtype's normal powers of two (so a zero or subnormal ``a`` gives the largest, ``2^bias``,
+  where ``ldexp`` would give inf: ``rescale`` then clips it to ``s`` all the same).
+
+  Read from ``a``'s exponent bits: ``a``'s biased exponent ``e`` gives ``k = e - bias + 1``,
+  and ``c``'s biased exponent is ``t - k + bias``. A handful of integer operations, where
+  ``frexp`` and ``ldexp`` are a few dozen (they handle subnormals and signs, which ``a`` never
+  needs).
+  """
+  info = jnp.finfo(a.dtype)
+  bias, itype = info.maxexp - 1, np.dtype(f"int{info.bits}")
+  const = lambda v: np.asarray(v, itype)  # noqa: E731
+  e = lax.shift_right_logical(lax.bitcast_convert_type(a, itype), const(info.nmant))
+  ec = lax.clamp(const(1), lax.sub(const(t - 1 + 2 * bias), e), const(2 * bias))
+  return lax.bitcast_convert_type(lax.shift_left(ec, const(info.nmant)), a.dtype)
+
+
+def scale_shape(blocks: Any, path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+  """A leaf's ``mu_scale`` shape: ``()`` for one matrix; for a stack of matrices (layers,
+  experts), the leaf's rank with the stacked axes' sizes and 1 elsewhere (one scale each)."""
+  axes = stack_axes(blocks, path, tuple(shape))
+  return tuple(n if a in axes else 1 for a, n in enumerate(shape)) if axes and math.prod(
+      shape[a] for a in axes) > 1 else ()
