@@ -17,12 +17,14 @@ error and the run goes on. Sections:
    weight decay), whose Newton–Schulz is nearly all of its work. FLOPs are the matmuls'
    (``ns_flops``; optax: ``steps (4 m^2 n + 2 m^3)``).
 2. **The Gram iteration's precision** on a 4096x16384 matrix whose rows span three decades:
-   the library's Gram method (``m x m`` iteration in float32, which XLA runs at its default
-   precision: TF32 on NVIDIA GPUs), the same under ``jax.default_matmul_precision("highest")``
-   (true float32), a bf16 ``m x m`` iteration written here for the comparison, and
-   ``standard`` bf16. Time, and the response ``d_i = u_i^T O v_i`` of the output along each
-   input singular pair (1 for an exact polar factor) over singular values above 3e-3 of the
-   Frobenius norm.
+   the library's Gram method (``m x m`` iteration in float32 with every product named
+   ``HIGHEST``: ``_orthogonalize.precision``), a bf16 ``m x m`` iteration written here for the
+   comparison, and ``standard`` bf16 (at the backend's one-pass rate). Time, and the response
+   ``d_i = u_i^T O v_i`` of the output along each input singular pair (1 for an exact polar
+   factor) over singular values above 3e-3 of the Frobenius norm.
+   **2b. The update's band** on this backend: ``mc.muon``'s update of a condition-1e6 and a
+   low-rank (16) plus noise float32 gradient, for ``ns_method`` ``auto`` (the default),
+   ``standard`` and ``gram``: the largest singular value and the min and max ``d_i``.
 3. **Whole updates**, float32 weights: the GPT-2-small (12 layers) and MLA (4 layers) hidden
    matrices of ``bench_per_head.py``: the default, ``ns_batch=1``, ``muon_blocks="head"``
    (per-head Muon, from the attention layout) and ``optax.contrib.muon``, alternating.
@@ -265,8 +267,8 @@ def section_gram_precision(rep: Report, sz: Sizes) -> None:
   x = (g * jnp.logspace(0, -3, shape[0])[:, None]).astype(jnp.bfloat16)
   ns = lambda method: (lambda x: mc.newton_schulz(x, steps=None, coeffs="polar_express_4", method=method))
   variants = {
-      "gram, m x m in float32, default precision (the library's)": (ns("gram"), None),
-      "gram, m x m in float32, precision highest": (ns("gram"), "highest"),
+      "gram, m x m in float32, products HIGHEST (the library's)": (ns("gram"), None),
+      "gram, the same under jax_default_matmul_precision=bfloat16 (no effect)": (ns("gram"), "bfloat16"),
       "gram, m x m in bf16 (written here)": (gram_bf16, None),
       "standard, bf16": (ns("standard"), None),
   }
@@ -287,6 +289,40 @@ def section_gram_precision(rep: Report, sz: Sizes) -> None:
     rows.append([key, ms(ts), f"{lo:.3f}", f"{hi:.3f}", f"{rms:.3f}", str(count), f"{float(dist):.4f}"])
   rep.table(["variant", "ms", "min d_i", "max d_i", "RMS(d - 1)", "directions",
              "distance to float32 (rel. Frobenius)"], rows)
+
+
+def band_inputs(shape: tuple[int, int]) -> dict[str, jax.Array]:
+  """Condition-1e6 (``U diag(s) V^T``, ``s`` log-spaced 1 to 1e-6) and rank-16 plus 1e-3 noise inputs."""
+  m, n = shape
+  k1, k2, k3, k4 = jax.random.split(jax.random.key(5), 4)
+  u, _ = jnp.linalg.qr(jax.random.normal(k1, (m, m)))
+  v, _ = jnp.linalg.qr(jax.random.normal(k2, (n, m)))
+  with jax.default_matmul_precision("highest"):
+    cond = (u * jnp.logspace(0, -6, m)[None, :]) @ v.T
+    low = jax.random.normal(k3, (m, 16)) @ jax.random.normal(k4, (16, n)) / 4.0
+  low = low / jnp.sqrt(jnp.mean(low**2)) + 1e-3 * jax.random.normal(k4, (m, n))
+  return {"condition 1e6": cond, "rank 16 + 1e-3 noise": low}
+
+
+def section_band(rep: Report, sz: Sizes) -> None:
+  shape = sz.ns_shapes[-1]
+  rep.add(f"## 2b. The update's band on this backend, {shape[0]}x{shape[1]} float32 gradients", "",
+          "`mc.muon(1.0, weight_decay=0, beta=0, ns_method=...)`'s update divided by Moonlight's "
+          "`0.2 sqrt(max(m, n))`, each method at the backend's precision policy "
+          "(`_orthogonalize.precision`; `auto` is the default). Required: the largest singular value "
+          f"<= 1.25 and every response `d_i` along an input singular value >= {CUTOFF:g} of the norm in "
+          "[0.70, 1.25] (`polar_express_4`: [0.779, 1.200]).")
+  rows = []
+  for name, g in band_inputs(shape).items():
+    for method in ("auto", "standard", "gram"):
+      opt = mc.muon(1.0, weight_decay=0.0, beta=0.0, ns_method=method)
+      u = jax.jit(opt.update)({"w": g}, opt.init({"w": g}), {"w": g})[0]["w"]
+      x = -u / (0.2 * math.sqrt(max(shape)))
+      with jax.default_matmul_precision("highest"):
+        top = float(jnp.linalg.svd(x.astype(jnp.float32), compute_uv=False)[0])
+      lo, hi, _, count = responses(g, x)
+      rows.append([name, method, f"{top:.3f}", f"{lo:.3f}", f"{hi:.3f}", str(count)])
+  rep.table(["input", "ns_method", "largest singular value", "min d_i", "max d_i", "directions"], rows)
 
 
 # ----------------------------------------------------------------------------- 3. whole updates
@@ -475,7 +511,8 @@ def section_compile(rep: Report, sz: Sizes) -> None:
 # ----------------------------------------------------------------------------- main
 
 SECTIONS = {"ns": section_newton_schulz, "experts": section_experts, "updates": section_updates,
-            "attention": section_attention, "gram": section_gram_precision, "compile": section_compile}
+            "attention": section_attention, "gram": section_gram_precision, "band": section_band,
+            "compile": section_compile}
 
 
 def environment() -> list[str]:

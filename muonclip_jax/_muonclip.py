@@ -38,6 +38,7 @@ def muonclip(
     ns_method: str = "auto",
     ns_normalize: str | None = None,
     ns_restarts: Sequence[int] = (),
+    ns_precision: str | None = None,
     ns_batch: int | None = None,
     eps: float = 1e-7,
     compute_dtype: jax.typing.DTypeLike | None = None,
@@ -87,7 +88,7 @@ def muonclip(
       (``qk_clip_threshold_valid`` False in ``make_train_step``'s metrics).
     weight_decay, labels, adam_learning_rate, adam_b1, adam_b2, adam_eps,
       adam_weight_decay, weight_decay_mask: as for ``muon_adamw``, with its defaults.
-    beta, nesterov, ns_steps, ns_coeffs, ns_method, ns_normalize, ns_restarts, ns_batch,
+    beta, nesterov, ns_steps, ns_coeffs, ns_method, ns_normalize, ns_restarts, ns_precision, ns_batch,
       eps, compute_dtype, mu_dtype, rms_match, rms_scale, matrix_axes,
       shard_orthogonalization, shard_split: Muon's options (``scale_by_muon``), with its
       defaults.
@@ -124,7 +125,7 @@ def muonclip(
           adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,
           weight_decay_mask=weight_decay_mask, beta=beta, nesterov=nesterov, ns_steps=ns_steps,
           ns_coeffs=ns_coeffs, ns_method=ns_method, ns_normalize=ns_normalize, ns_restarts=ns_restarts,
-          ns_batch=ns_batch, eps=eps, compute_dtype=compute_dtype, mu_dtype=mu_dtype, rms_match=rms_match,
+          ns_precision=ns_precision, ns_batch=ns_batch, eps=eps, compute_dtype=compute_dtype, mu_dtype=mu_dtype, rms_match=rms_match,
           rms_scale=rms_scale, matrix_axes=matrix_axes, layout=layout, muon_blocks=muon_blocks,
           shard_orthogonalization=shard_orthogonalization, shard_split=shard_split),
       qk_clip_transform(qk_clip_threshold, layout=layout),

@@ -16,7 +16,8 @@ def test_dry_run_writes_every_section(tmp_path):
   out = tmp_path / "report.md"
   assert accelerator.main(["--dry-run", "--out", str(out)]) == 0
   text = out.read_text()
-  for title in ("## 1. Newton–Schulz", "## 2. The Gram iteration", "## 3. Whole updates", "## 4. An expert stack",
+  for title in ("## 1. Newton–Schulz", "## 2. The Gram iteration", "## 2b. The update's band", "## 3. Whole updates",
+                "## 4. An expert stack",
                 "## 5. Attention", "## 6. Compile time"):
     assert title in text
   assert "failed" not in text.lower() and "Failed sections" not in text

@@ -30,6 +30,7 @@ def muon(
     ns_method: str = "auto",
     ns_normalize: str | None = None,
     ns_restarts: Sequence[int] = (),
+    ns_precision: str | None = None,
     ns_batch: int | None = None,
     eps: float = 1e-7,
     compute_dtype: jax.typing.DTypeLike | None = None,
@@ -58,7 +59,7 @@ def muon(
     learning_rate: a number >= 0 or an optax schedule (see "Inputs" below).
     weight_decay: decoupled weight decay (Moonlight/Kimi: 0.1), a number >= 0 or a schedule.
     weight_decay_mask: optional mask or callable, as in ``optax.add_decayed_weights``.
-    beta, nesterov, ns_steps, ns_coeffs, ns_method, ns_normalize, ns_restarts, ns_batch,
+    beta, nesterov, ns_steps, ns_coeffs, ns_method, ns_normalize, ns_restarts, ns_precision, ns_batch,
       eps, compute_dtype, mu_dtype, rms_match, rms_scale, matrix_axes, layout, muon_blocks,
       shard_orthogonalization, shard_split: the options of ``scale_by_muon``, with its
       defaults.
@@ -95,8 +96,8 @@ def muon(
   check_number("weight_decay", weight_decay, low=0.0, high=math.inf, high_open=True, schedule=True)
   return skip_frozen_leaves(optax.chain(
       scale_by_muon(beta, nesterov=nesterov, ns_steps=ns_steps, ns_coeffs=ns_coeffs, ns_method=ns_method,
-                    ns_normalize=ns_normalize, ns_restarts=ns_restarts, ns_batch=ns_batch, eps=eps,
-                    compute_dtype=compute_dtype, mu_dtype=mu_dtype, rms_match=rms_match, rms_scale=rms_scale,
+                    ns_normalize=ns_normalize, ns_restarts=ns_restarts, ns_precision=ns_precision,
+                    ns_batch=ns_batch, eps=eps, compute_dtype=compute_dtype, mu_dtype=mu_dtype, rms_match=rms_match, rms_scale=rms_scale,
                     matrix_axes=matrix_axes, layout=layout, muon_blocks=muon_blocks,
                     shard_orthogonalization=shard_orthogonalization, shard_split=shard_split),
       optax.add_decayed_weights(weight_decay, weight_decay_mask),
@@ -122,6 +123,7 @@ def muon_adamw(
     ns_method: str = "auto",
     ns_normalize: str | None = None,
     ns_restarts: Sequence[int] = (),
+    ns_precision: str | None = None,
     ns_batch: int | None = None,
     eps: float = 1e-7,
     compute_dtype: jax.typing.DTypeLike | None = None,
@@ -161,7 +163,7 @@ def muon_adamw(
     adam_b1, adam_b2, adam_eps: AdamW moments (Moonlight: 0.9, 0.95, 1e-8).
     adam_weight_decay: AdamW's decoupled weight decay; defaults to ``weight_decay``.
     weight_decay_mask: which leaves are decayed, in both halves (below).
-    beta, nesterov, ns_steps, ns_coeffs, ns_method, ns_normalize, ns_restarts, ns_batch,
+    beta, nesterov, ns_steps, ns_coeffs, ns_method, ns_normalize, ns_restarts, ns_precision, ns_batch,
       eps, compute_dtype, mu_dtype, rms_match, rms_scale, matrix_axes, layout, muon_blocks,
       shard_orthogonalization, shard_split: Muon's options (``scale_by_muon``), with its
       defaults; ``mu_dtype`` applies to AdamW's first moment too. ``layout`` makes the
@@ -211,8 +213,8 @@ def muon_adamw(
   muon_half = muon(  # checks Muon's options first
       learning_rate, weight_decay=weight_decay, weight_decay_mask=weight_decay_mask, beta=beta,
       nesterov=nesterov, ns_steps=ns_steps, ns_coeffs=ns_coeffs, ns_method=ns_method, ns_normalize=ns_normalize,
-      ns_restarts=ns_restarts, ns_batch=ns_batch, eps=eps, compute_dtype=compute_dtype, mu_dtype=mu_dtype,
-      rms_match=rms_match, rms_scale=rms_scale, matrix_axes=matrix_axes, layout=layout, muon_blocks=muon_blocks,
+      ns_restarts=ns_restarts, ns_precision=ns_precision, ns_batch=ns_batch, eps=eps, compute_dtype=compute_dtype,
+      mu_dtype=mu_dtype, rms_match=rms_match, rms_scale=rms_scale, matrix_axes=matrix_axes, layout=layout, muon_blocks=muon_blocks,
       shard_orthogonalization=shard_orthogonalization, shard_split=shard_split)
   adam_wd = weight_decay if adam_weight_decay is None else adam_weight_decay
   check_number("adam_weight_decay", adam_wd, low=0.0, high=math.inf, high_open=True, schedule=True)

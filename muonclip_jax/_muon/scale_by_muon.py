@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import optax
 
 from .._util import check_bool, check_number, is_box, MatrixAxesSpec, MetadataMemo, path_str, skip_frozen_leaves
-from .._orthogonalize import (check_target, orthogonalize_leaves, orthogonalize_leaves_sharded, resolve_coeffs,
-                              resolve_options)
+from .._orthogonalize import (check_target, orthogonalize_leaves, orthogonalize_leaves_sharded, policy,
+                              resolve_coeffs, resolve_options)
 from .block_orthogonalize import orthogonalize_blocks
 from .layout_matrices import check_blocks, muon_blocks_lookup
 from .blocks import piece_dims
@@ -123,6 +123,7 @@ def scale_by_muon(
     ns_method: str = "auto",
     ns_normalize: str | None = None,
     ns_restarts: Sequence[int] = (),
+    ns_precision: str | None = None,
     ns_batch: int | None = None,
     eps: float = 1e-7,
     compute_dtype: jax.typing.DTypeLike | None = None,
@@ -181,6 +182,12 @@ def scale_by_muon(
     ns_normalize: ``"frobenius"``, ``"schatten4"`` or ``None`` for the preset's own
       (static; see ``newton_schulz``).
     ns_restarts: Gram restarts, static step indices (see ``newton_schulz``).
+    ns_precision: static; the precision policy of Newton–Schulz's products (``newton_schulz``'s
+      ``precision``): None (default) for the backend's, read when the update is traced: on
+      the CPU every product exact float32; on GPUs and TPUs ``ns_method="auto"`` runs the
+      standard iteration at the backend's one-pass rate (TF32, bfloat16), where it holds its
+      band, and a Gram iteration keeps exact float32 products. ``"highest"`` or ``"default"``
+      picks one of the two policies on any backend (docs/training.md, "Precision").
     ns_batch: a static int >= 1: same-shaped matrices (tall ones transposed) go, in leaf
       order, into batched Newton–Schulz calls of at most ``ns_batch``, with no stacking loop
       (a stacked leaf with more goes through ``lax.map`` in slices of ``ns_batch``). ``None``
@@ -319,8 +326,10 @@ def scale_by_muon(
                     f"gradient's, got {mu_dtype!r}")
   if rms_match not in RMS_MODES:
     raise ValueError(f"rms_match must be one of {RMS_MODES}, got {rms_match!r}")
+  if ns_precision is not None:
+    policy(ns_precision)  # validates it (None: the backend's, read when traced)
   ns_kwargs = dict(steps=ns_steps, coeffs=ns_coeffs, eps=eps, compute_dtype=compute_dtype, method=ns_method,
-                   normalize=ns_normalize, restarts=ns_restarts)
+                   normalize=ns_normalize, restarts=ns_restarts, precision=ns_precision)
 
   memo = MetadataMemo()  # axes read from boxed params at init, for the bare arrays of update (nnx.Optimizer)
 

@@ -5,10 +5,11 @@ from .distributed import (check_target, mesh_of, ns_flops_of, orthogonalize_leav
                           orthogonalize_sharded)
 from .newton_schulz import gram_of, newton_schulz, ns_flops
 from .planner import entry_axes
+from .precision import policy
 from .presets import resolve_coeffs, resolve_options
 
 __all__ = [
     "check_target", "entry_axes", "gram_of", "mesh_of", "newton_schulz", "ns_flops", "ns_flops_of",
-    "orthogonalize_leaves", "orthogonalize_leaves_sharded", "orthogonalize_sharded", "resolve_coeffs",
+    "orthogonalize_leaves", "orthogonalize_leaves_sharded", "orthogonalize_sharded", "policy", "resolve_coeffs",
     "resolve_options",
 ]

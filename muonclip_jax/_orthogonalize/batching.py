@@ -104,7 +104,8 @@ def per_call(m: int, n: int, size: int, ns_kwargs: dict) -> int:
     return 1
   steps = ns_kwargs.get("steps")
   kw = dict(steps=None if isinstance(steps, jax.core.Tracer) else steps, coeffs=ns_kwargs.get("coeffs", "muon"),
-            method=ns_kwargs.get("method", "standard"), restarts=ns_kwargs.get("restarts", ()))
+            method=ns_kwargs.get("method", "standard"), restarts=ns_kwargs.get("restarts", ()),
+            precision=ns_kwargs.get("precision"))
   return max(1, min(size, int(CALL_FLOPS // max(1, ns_flops((m, n), **kw)))))
 
 

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .precision import products, uses_gram
 from .presets import GRAM_ASPECT, gram_restarts, resolve_coeffs, resolve_options, resolve_steps
 
 
@@ -45,6 +46,7 @@ def newton_schulz(
     method: str = "standard",
     normalize: str | None = None,
     restarts: Any = (),
+    precision: str | None = None,
 ) -> jax.Array:
   """Approximate polar factor ``U V^T`` of the last two axes of ``x``.
 
@@ -94,6 +96,13 @@ def newton_schulz(
       matrix is re-formed from the current iterate. Empty: the preset's own (``"deepseek_v4"``
       restarts before step 5; the others need none). Not needed in float32 (tested up to
       condition number 1e6) nor in bfloat16 (see ``compute_dtype``).
+    precision: the precision policy of the products (``_orthogonalize.precision``): None (the
+      default) for the backend's, read from ``jax.default_backend()`` when traced: on the CPU
+      ``"highest"`` (every product exact float32, ``"auto"`` as above); on GPUs and TPUs
+      ``"default"`` (``"auto"`` runs ``"standard"``, whose products run at the backend's
+      one-pass rate, TF32 or bfloat16, and hold the band there; a ``"gram"`` iteration keeps
+      exact float32 products, since narrow operands leave its band). No product depends on
+      ``jax_default_matmul_precision``.
 
   Returns:
     An array of the shape and dtype of ``x`` (empty for a zero-size ``x``, such as a
@@ -140,7 +149,8 @@ def newton_schulz(
     return jnp.zeros(x.shape, x.dtype)
   tall = x.shape[-2] > x.shape[-1]  # then A = X^T X and X <- a X + X B^T, no transposes
   m, n = min(x.shape[-2:]), max(x.shape[-2:])
-  gram = method == "gram" or (method == "auto" and n >= GRAM_ASPECT * m)
+  gram = uses_gram(method, m, n, precision, GRAM_ASPECT)
+  prec = products(precision, gram)
   xf = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True)
   amax = jnp.where(amax > 0, amax, 1.0)
@@ -153,9 +163,9 @@ def newton_schulz(
     X = (y / (norm + floor)).astype(dtype)
   if gram:
     X = _gram_iterate(X, table, steps, normalize == "schatten4", norm_scale, eps,
-                      gram_restarts(coeffs, steps, restarts), tall)
+                      gram_restarts(coeffs, steps, restarts), tall, prec)
   else:
-    X = _iterate(X, table, steps, normalize == "schatten4", norm_scale, eps, tall)
+    X = _iterate(X, table, steps, normalize == "schatten4", norm_scale, eps, tall, prec)
   return X.astype(x.dtype)
 
 
@@ -175,7 +185,7 @@ def divide_by_max(xf: jax.Array, amax: jax.Array) -> jax.Array:
 
 
 def ns_flops(shape: tuple[int, ...], *, steps: int | None = 5, coeffs: Any = "muon",
-             method: str = "standard", restarts: Any = ()) -> int:
+             method: str = "standard", restarts: Any = (), precision: str | None = None) -> int:
   """FLOPs (2 per multiply-add) of ``newton_schulz`` on ``shape``, matmuls only.
 
   For ``m = min``, ``n = max`` of the last two sizes and ``K`` steps: ``"standard"``
@@ -184,14 +194,14 @@ def ns_flops(shape: tuple[int, ...], *, steps: int | None = 5, coeffs: Any = "mu
   but the run's first and ``4 m^3`` for ``H R H`` each step but the last, plus ``4 m^2 n``
   per restart. Products known to be symmetric (``X X^T``, ``A^2``, ``R^2``, ``H (R H)``)
   count 3/4 when ``m >= SYMMETRIC_MIN`` is even, as computed. Elementwise work (``O(m n)``
-  a step) is left out.
+  a step) is left out. ``"auto"`` is resolved as ``newton_schulz`` resolves it under ``precision``.
   """
   steps = resolve_steps(steps, coeffs)
   _, restarts = resolve_options(coeffs, steps, method, None, restarts)
   *batch, r, c = shape
   m, n = min(r, c), max(r, c)
   count = int(np.prod(batch)) if batch else 1
-  gram = method == "gram" or (method == "auto" and n >= GRAM_ASPECT * m)
+  gram = uses_gram(method, m, n, precision, GRAM_ASPECT)
   sym = 0.75 if m >= SYMMETRIC_MIN and m % 2 == 0 else 1.0
   mmn, mmm = 2 * m * m * n, 2 * m**3
   if not gram:
@@ -217,29 +227,29 @@ def _mT(x: jax.Array) -> jax.Array:
 SYMMETRIC_MIN = 512
 
 
-def _sym_product(P: jax.Array, Q: jax.Array, dtype: Any = None) -> jax.Array:
-  """``P @ Q`` for a product known to be symmetric (square, ``m x m``)."""
+def _sym_product(P: jax.Array, Q: jax.Array, dtype: Any = None, prec: Any = None) -> jax.Array:
+  """``P @ Q`` for a product known to be symmetric (square, ``m x m``), at precision ``prec``."""
   m = P.shape[-2]
   if m < SYMMETRIC_MIN or m % 2:
-    return jnp.matmul(P, Q, preferred_element_type=dtype)
+    return jnp.matmul(P, Q, preferred_element_type=dtype, precision=prec)
   h = m // 2
-  top = jnp.matmul(P[..., :h, :], Q, preferred_element_type=dtype)  # [C11 C12]
-  c22 = jnp.matmul(P[..., h:, :], Q[..., :, h:], preferred_element_type=dtype)
+  top = jnp.matmul(P[..., :h, :], Q, preferred_element_type=dtype, precision=prec)  # [C11 C12]
+  c22 = jnp.matmul(P[..., h:, :], Q[..., :, h:], preferred_element_type=dtype, precision=prec)
   return jnp.concatenate([top, jnp.concatenate([_mT(top[..., :, h:]), c22], axis=-1)], axis=-2)
 
 
-def gram_of(X: jax.Array, tall: bool, dtype: Any = None) -> jax.Array:
+def gram_of(X: jax.Array, tall: bool, dtype: Any = None, prec: Any = None) -> jax.Array:
   """The smaller Gram matrix: ``X X^T`` of a wide ``X``, ``X^T X`` of a tall one."""
   if tall:
-    return _sym_product(_mT(X), X, dtype)
-  return _sym_product(X, _mT(X), dtype)
+    return _sym_product(_mT(X), X, dtype, prec)
+  return _sym_product(X, _mT(X), dtype, prec)
 
 
-def _left(P: jax.Array, X: jax.Array, tall: bool, dtype: Any = None) -> jax.Array:
+def _left(P: jax.Array, X: jax.Array, tall: bool, dtype: Any = None, prec: Any = None) -> jax.Array:
   """``P`` applied on the short side: ``P X`` (wide), ``X P^T`` (tall; the transpose of ``P X^T``)."""
   if tall:
-    return jnp.matmul(X, _mT(P), preferred_element_type=dtype)
-  return jnp.matmul(P, X, preferred_element_type=dtype)
+    return jnp.matmul(X, _mT(P), preferred_element_type=dtype, precision=prec)
+  return jnp.matmul(P, X, preferred_element_type=dtype, precision=prec)
 
 
 def schatten4_scale(A: jax.Array, norm_scale: float, eps: float) -> jax.Array:
@@ -248,22 +258,22 @@ def schatten4_scale(A: jax.Array, norm_scale: float, eps: float) -> jax.Array:
   return norm_scale * jnp.sqrt(jnp.sqrt(jnp.sum(af * af, axis=(-2, -1), keepdims=True))) + eps
 
 
-def _poly(A: jax.Array, abc: Any) -> jax.Array:
+def _poly(A: jax.Array, abc: Any, prec: Any = None) -> jax.Array:
   """``b A + c A^2`` (the ``a I`` part is applied separately)."""
-  return abc[1] * A + abc[2] * _sym_product(A, A)
+  return abc[1] * A + abc[2] * _sym_product(A, A, None, prec)
 
 
 def _iterate(X: jax.Array, table: np.ndarray, steps: Any, schatten4: bool, norm_scale: float,
-             eps: float, tall: bool) -> jax.Array:
+             eps: float, tall: bool, prec: Any = None) -> jax.Array:
   table_arr = jnp.asarray(table, X.dtype)
   last = table.shape[0] - 1
   row = (lambda i: table_arr[0]) if last == 0 else (lambda i: table_arr[jnp.minimum(i, last)])
 
   def body(i, X):
     abc = row(i)
-    A = gram_of(X, tall)
+    A = gram_of(X, tall, None, prec)
     if not schatten4:
-      return abc[0] * X + _left(_poly(A, abc), X, tall)
+      return abc[0] * X + _left(_poly(A, abc, prec), X, tall, None, prec)
     # Step 0 runs on X / s with s = norm_scale * ||X||_S4, folded into the coefficients:
     # with A' = A / s^2, a (X / s) + (b A' + c A'^2) (X / s) = (a / s) X + (P(A') / s) X.
     # Later steps use s = 1 (exact), so the loop stays rolled.
@@ -271,25 +281,26 @@ def _iterate(X: jax.Array, table: np.ndarray, steps: Any, schatten4: bool, norm_
     inv = 1.0 / s
     A = (A.astype(jnp.float32) * (inv * inv)).astype(X.dtype)
     inv = inv.astype(X.dtype)
-    return (abc[0] * inv) * X + _left(_poly(A, abc) * inv, X, tall)
+    return (abc[0] * inv) * X + _left(_poly(A, abc, prec) * inv, X, tall, None, prec)
 
   return jax.lax.fori_loop(0, steps, body, X)
 
 
-def apply_factor(Q: jax.Array, X0: jax.Array, tall: bool) -> jax.Array:
+def apply_factor(Q: jax.Array, X0: jax.Array, tall: bool, prec: Any = None) -> jax.Array:
   """``Q X0`` (or ``X0 Q^T``) for a float32 ``Q``: in X0's dtype, split in two if narrower."""
   if jnp.dtype(X0.dtype).itemsize >= jnp.dtype(Q.dtype).itemsize:
-    return _left(Q.astype(X0.dtype), X0, tall)
+    return _left(Q.astype(X0.dtype), X0, tall, None, prec)
   hi = Q.astype(X0.dtype)
   lo = (Q - hi.astype(Q.dtype)).astype(X0.dtype)
-  return _left(hi, X0, tall, Q.dtype) + _left(lo, X0, tall, Q.dtype)
+  return _left(hi, X0, tall, Q.dtype, prec) + _left(lo, X0, tall, Q.dtype, prec)
 
 
 def _gram_iterate(X0: jax.Array, table: np.ndarray, steps: Any, schatten4: bool,
-                  norm_scale: float, eps: float, restarts: tuple[int, ...], tall: bool) -> jax.Array:
+                  norm_scale: float, eps: float, restarts: tuple[int, ...], tall: bool,
+                  prec: Any = None) -> jax.Array:
   """Gram Newton–Schulz (module docstring): ``Q_K X_0`` from ``m x m`` iterations."""
   wdtype = jnp.promote_types(X0.dtype, jnp.float32)
-  G = gram_of(X0, tall, wdtype)
+  G = gram_of(X0, tall, wdtype, prec)
   eye = jnp.broadcast_to(jnp.eye(G.shape[-1], dtype=wdtype), G.shape)
   inv = None  # 1 / s of the Schatten-4 normalization, folded into Q
   if schatten4:
@@ -300,20 +311,20 @@ def _gram_iterate(X0: jax.Array, table: np.ndarray, steps: Any, schatten4: bool,
   last = table.shape[0] - 1
 
   def h_of(R, abc):
-    return abc[0] * eye + _poly(R, abc)
+    return abc[0] * eye + _poly(R, abc, prec)
 
   if isinstance(steps, int):
     Q, R = None, G  # Q None is the identity
     for k in range(steps):
       if k in restarts:
-        X0 = apply_factor(Q if inv is None else Q * inv, X0, tall).astype(X0.dtype)
+        X0 = apply_factor(Q if inv is None else Q * inv, X0, tall, prec).astype(X0.dtype)
         inv, Q = None, None
-        R = gram_of(X0, tall, wdtype)
+        R = gram_of(X0, tall, wdtype, prec)
       H = h_of(R, table_w[min(k, last)])
-      Q = H if Q is None else H @ Q
+      Q = H if Q is None else jnp.matmul(H, Q, precision=prec)
       if k + 1 < steps and k + 1 not in restarts:
-        R = _sym_product(H, R @ H)
-    return apply_factor(Q if inv is None else Q * inv, X0, tall).astype(X0.dtype)
+        R = _sym_product(H, jnp.matmul(R, H, precision=prec), None, prec)
+    return apply_factor(Q if inv is None else Q * inv, X0, tall, prec).astype(X0.dtype)
 
   # Traced step count (inject_hyperparams): a generic loop from Q = I.
   Q0 = eye if inv is None else eye * inv
@@ -324,11 +335,11 @@ def _gram_iterate(X0: jax.Array, table: np.ndarray, steps: Any, schatten4: bool,
     if restarts:
       def restart(c):
         X, Q, _ = c
-        X = apply_factor(Q, X, tall).astype(X.dtype)
-        return X, eye, gram_of(X, tall, wdtype)
+        X = apply_factor(Q, X, tall, prec).astype(X.dtype)
+        return X, eye, gram_of(X, tall, wdtype, prec)
       X, Q, R = jax.lax.cond(jnp.any(i == restart_arr), restart, lambda c: c, (X, Q, R))
     H = h_of(R, table_w[jnp.minimum(i, last)])
-    return X, H @ Q, _sym_product(H, R @ H)
+    return X, jnp.matmul(H, Q, precision=prec), _sym_product(H, jnp.matmul(R, H, precision=prec), None, prec)
 
   X, Q, _ = jax.lax.fori_loop(0, steps, body, (X0, Q0, G))
-  return apply_factor(Q, X, tall).astype(X0.dtype)
+  return apply_factor(Q, X, tall, prec).astype(X0.dtype)

@@ -25,11 +25,14 @@ tensor-parallel ranks.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .newton_schulz import SYMMETRIC_MIN, apply_factor, divide_by_max, gram_of, schatten4_scale
+from .precision import products, uses_gram
 from .presets import GRAM_ASPECT, gram_restarts, resolve_coeffs, resolve_options, resolve_steps
 
 
@@ -45,11 +48,12 @@ def resolve(ns_kwargs: dict, m: int, n: int) -> dict | None:
   method = ns_kwargs.get("method", "standard")
   normalize, restarts = resolve_options(coeffs, steps, method, ns_kwargs.get("normalize"),
                                             ns_kwargs.get("restarts", ()))
-  gram = method == "gram" or (method == "auto" and n >= GRAM_ASPECT * m)
+  gram = uses_gram(method, m, n, ns_kwargs.get("precision"), GRAM_ASPECT)
   if restarts or (gram and gram_restarts(coeffs, steps, restarts)):
     return None
   return dict(steps=steps, table=table, norm_scale=norm_scale, schatten4=normalize == "schatten4", gram=gram,
-              eps=ns_kwargs.get("eps", 1e-7), compute_dtype=ns_kwargs.get("compute_dtype"))
+              eps=ns_kwargs.get("eps", 1e-7), compute_dtype=ns_kwargs.get("compute_dtype"),
+              prec=products(ns_kwargs.get("precision"), gram))
 
 
 def _half(g: int) -> int:
@@ -87,7 +91,8 @@ def _rows(x: jax.Array, p: jax.Array, r: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(x, p * r, r, axis=-2)
 
 
-def _sym_full(rows: jax.Array, right: jax.Array, p: jax.Array, g: int, axes: tuple[str, ...]) -> jax.Array:
+def _sym_full(rows: jax.Array, right: jax.Array, p: jax.Array, g: int, axes: tuple[str, ...],
+              prec: Any = None) -> jax.Array:
   """The whole ``L @ right`` (``(q, m, m)``), known to be symmetric, from ``rows = L``'s row
   block ``p`` on device ``p``: each device computes the blocks ``(p, p + i mod g)``,
   ``i <= g // 2`` (every block or its mirror once, about half), all-gathers them, and
@@ -95,7 +100,7 @@ def _sym_full(rows: jax.Array, right: jax.Array, p: jax.Array, g: int, axes: tup
   q, r, m = rows.shape
   h = _half(g)
   cols = jnp.take(right.reshape(q, m, g, r), (p + jnp.arange(h)) % g, axis=2)  # (q, m, h, r)
-  mine = jnp.einsum("qrm,qmjc->qjrc", rows, cols)  # (q, h, r, r): blocks (p, p + j)
+  mine = jnp.einsum("qrm,qmjc->qjrc", rows, cols, precision=prec)  # (q, h, r, r): blocks (p, p + j)
   every = jax.lax.all_gather(mine, axes, axis=1).reshape(q, g * h, r, r)
   pool = jnp.concatenate([every, jnp.swapaxes(every, -1, -2)], axis=1)
   idx = np.full((g, g), -1)
@@ -126,7 +131,8 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
   y = divide_by_max(xf, amax)  # |y| <= 4: no square overflows (see newton_schulz)
   floor = eps / amax
   X = y.astype(dtype)
-  gram_f = lambda X, t=None: jax.lax.psum(gram_of(X, False, t), axes)
+  prec = it.get("prec")
+  gram_f = lambda X, t=None: jax.lax.psum(gram_of(X, False, t, prec), axes)
   A = gram_f(X, jnp.float32)  # X X^T of x / max |x|, float32: its trace is the squared norm
   fro = jnp.sqrt(jnp.trace(A, axis1=-2, axis2=-1))[..., None, None]
   denom = fro * (1.0 if it["schatten4"] else it["norm_scale"]) + floor
@@ -141,8 +147,8 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
       a, b, c = (float(v) for v in table[min(k, last)])
       if k:
         A = gram_f(X, jnp.float32)
-      B = (b * A + c * _sym_full(_rows(A, p, r), A, p, g, axes)).astype(dtype)
-      X = a * X + jnp.matmul(B, X)
+      B = (b * A + c * _sym_full(_rows(A, p, r), A, p, g, axes, prec)).astype(dtype)
+      X = a * X + jnp.matmul(B, X, precision=prec)
     return X.astype(x.dtype)
   R = A.astype(wdtype)
   eye = jnp.broadcast_to(jnp.eye(m, dtype=wdtype), R.shape)
@@ -150,9 +156,9 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
   for k in range(K):
     a, b, c = (float(v) for v in table[min(k, last)])
     R_rows = _rows(R, p, r)
-    H = a * eye + b * R + c * _sym_full(R_rows, R, p, g, axes)
-    Q_rows = _rows(H, p, r) if Q_rows is None else jnp.matmul(Q_rows, H)
+    H = a * eye + b * R + c * _sym_full(R_rows, R, p, g, axes, prec)
+    Q_rows = _rows(H, p, r) if Q_rows is None else jnp.matmul(Q_rows, H, precision=prec)
     if k + 1 < K:
-      R = _sym_full(jnp.matmul(R_rows, H), H, p, g, axes)  # R H H = H R H
+      R = _sym_full(jnp.matmul(R_rows, H, precision=prec), H, p, g, axes, prec)  # R H H = H R H
   Q = jax.lax.all_gather(Q_rows, axes, axis=1, tiled=True)
-  return apply_factor(Q, X, False).astype(x.dtype)
+  return apply_factor(Q, X, False, prec).astype(x.dtype)

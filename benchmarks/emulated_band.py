@@ -1,0 +1,112 @@
+"""Muon's Newton–Schulz band at each backend's default matmul precision, emulated on the CPU.
+
+  python benchmarks/emulated_band.py            # every shape (~40 s on 2 cores)
+  python benchmarks/emulated_band.py --quick    # wide and square only
+
+For each emulated backend (``tests/_emulated_backend.py``: float32 dots that name no
+precision get bf16 operands on "tpu", TF32 on "gpu", exact float32 on "cpu"), each
+``ns_method`` ("auto", "standard", "gram") and compute dtype (float32, bfloat16), one update
+of ``mc.muon(1.0, weight_decay=0.0, beta=0.0, ns_method=..., compute_dtype=...)`` on
+Gaussian, low-rank (rank 16 + 1e-3 noise) and condition-1e6 inputs of the shapes of
+``_emulated_backend.SHAPES``. The update is divided by ``-0.2 sqrt(max(rows, cols))``
+(Moonlight's RMS factor; learning rate 1 negates it) and measured by ``band``: the largest
+singular value (ideally <= 1.2; flagged above 1.205) and the smallest and largest response
+``u_i^T X v_i`` along the input's singular pairs with ``s_i >= 3e-3 ||G||_F`` (required:
+within [0.70, 1.25]). Nothing is asserted; prints a summary (worst case per backend, method
+and dtype) and the full Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+  os.environ.setdefault(_var, "1")  # NumPy's SVDs beside XLA's threads: no oversubscription
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import _emulated_backend as eb  # noqa: E402
+import muonclip_jax as mc  # noqa: E402
+
+METHODS = ("auto", "standard", "gram")
+DTYPES = (("float32", None), ("bfloat16", jnp.bfloat16))
+LOW, HIGH, TOP = 0.70, 1.25, 1.2
+TOP_SLACK = 5e-3  # "top > 1.2" flags only what exceeds it by more than this (1.2002 is 1.2)
+
+
+def _update_fn(method: str, compute_dtype):
+  opt = mc.muon(1.0, weight_decay=0.0, beta=0.0, ns_method=method, compute_dtype=compute_dtype,
+                matrix_axes=mc.MatrixAxes((-2,), (-1,)))  # 2-D: the matrix; 3-D: per expert
+
+  @jax.jit
+  def update(grads, state, params):
+    return opt.update(grads, state, params)[0]
+
+  return opt, update
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="wide and square shapes only")
+  args = parser.parse_args()
+  shapes = {k: v for k, v in eb.SHAPES.items() if not args.quick or k in ("wide", "square")}
+  grads = {f"{kind}/{name}": jnp.asarray(eb.make_input(kind, shape))
+           for name, shape in shapes.items() for kind in eb.INPUT_KINDS}
+  params = jax.tree.map(jnp.zeros_like, grads)
+  svds = {key: eb.input_svd(g) for key, g in grads.items()}  # once per input
+  rows, start = [], time.perf_counter()
+  for cd_name, cd in DTYPES:
+    for method in METHODS:
+      opt, update = _update_fn(method, cd)
+      state = opt.init(params)
+      for backend in eb.BACKENDS:
+        with eb.emulate(backend):  # re-traced per backend (jax.make_user_context)
+          out = jax.device_get(update(grads, state, params))
+        for key, g in grads.items():
+          kind, name = key.split("/")
+          b = eb.band(out[key], g, scale=-eb.moonlight_scale(g.shape), svd=svds[key])
+          rows.append((backend, method, cd_name, kind, name, "x".join(map(str, g.shape)), b))
+      print(f"# {cd_name} {method}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+  def flag(b):
+    out = []
+    if b.top > TOP + TOP_SLACK:
+      out.append(f"top > {TOP}")
+    if b.low < LOW or b.high > HIGH:
+      out.append(f"outside [{LOW:.2f}, {HIGH:.2f}]")
+    return "; ".join(out)
+
+  print(f"JAX {jax.__version__}, {jax.devices()[0].platform} (emulated backends), "
+        f"{time.perf_counter() - start:.0f} s\n")
+  print("## Worst case over inputs and shapes\n")
+  print("| backend | method | compute dtype | largest singular value | min response "
+        "| max response | flagged cases |")
+  print("|---|---|---|---|---|---|---|")
+  for cd_name, _ in DTYPES:
+    for method in METHODS:
+      for backend in eb.BACKENDS:
+        sel = [r for r in rows if r[:3] == (backend, method, cd_name)]
+        bs = [r[-1] for r in sel]
+        bad = [f"{r[3]} {r[4]}" for r in sel if flag(r[-1])]
+        print(f"| {backend} | {method} | {cd_name} | {max(b.top for b in bs):.3f} "
+              f"| {min(b.low for b in bs):.3f} | {max(b.high for b in bs):.3f} "
+              f"| {', '.join(bad) if bad else '-'} |")
+  print("\n## Every case\n")
+  print("| backend | method | compute dtype | input | shape | largest singular value "
+        "| min response | max response | flag |")
+  print("|---|---|---|---|---|---|---|---|---|")
+  for backend, method, cd_name, kind, name, shape, b in rows:
+    print(f"| {backend} | {method} | {cd_name} | {kind} | {name} {shape} | {b.top:.3f} "
+          f"| {b.low:.3f} | {b.high:.3f} | {flag(b)} |")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,92 @@
+"""Newton–Schulz at the accelerators' default matmul precision, emulated on the CPU.
+
+A float32 product that names no precision runs in one bfloat16 pass on a TPU and in TF32 on an
+NVIDIA GPU. ``_emulated_backend.emulate`` runs the update on the CPU as if there (the backend's
+name, its operand rounding); the precision policy (``_orthogonalize.precision``) must keep
+Muon's update in its band on every backend: every response along an input singular direction
+above 3e-3 of the norm within [0.70, 1.25] and the largest singular value at most 1.25
+(``polar_express_4``'s band is [0.779, 1.200]; bfloat16 compute rounds to its grid next to 1.2).
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import muonclip_jax as mc
+from muonclip_jax._orthogonalize import ns_flops, precision
+from _emulated_backend import band, emulate, INPUT_KINDS, make_input, moonlight_scale
+
+SHAPES = {"wide": (64, 256), "tall": (256, 64), "square": (64, 64), "experts": (4, 48, 160)}
+STACK = mc.MatrixAxes((-2,), (-1,))
+
+
+def _grads():
+  return {f"{name}_{kind}": jnp.asarray(make_input(kind, shape)) for name, shape in SHAPES.items()
+          for kind in INPUT_KINDS}
+
+
+def _axes(tree):
+  return {k: STACK if v.ndim == 3 else None for k, v in tree.items()}
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu", "cpu"])
+def test_the_update_holds_its_band_at_each_backends_default_precision(backend):
+  """The default optimizer and each ns_method, float32 and bfloat16 compute: wide, tall, square and an
+  expert stack; Gaussian, low-rank plus noise and condition-1e6 gradients."""
+  grads = _grads()
+  for method in ("auto", "standard", "gram"):
+    for compute in (None, jnp.bfloat16):
+      opt = mc.muon(1.0, weight_decay=0.0, beta=0.0, ns_method=method, compute_dtype=compute, matrix_axes=_axes)
+      with emulate(backend):
+        updates, _ = jax.jit(opt.update)(grads, opt.init(grads), grads)
+      for key, g in grads.items():
+        got = band(-updates[key], g, scale=moonlight_scale(g.shape))
+        where = f"{backend} {method} {compute} {key}: {got}"
+        assert got.top <= 1.25 and 0.70 <= got.low and got.high <= 1.25, where
+
+
+def _trace(fn, args, backend, flag):
+  with emulate(backend):
+    if flag is None:
+      return str(jax.make_jaxpr(fn)(*args))
+    with jax.default_matmul_precision(flag):
+      return str(jax.make_jaxpr(fn)(*args))
+
+
+def test_no_product_depends_on_the_global_matmul_precision():
+  """Every dot of the update names its precision: setting jax_default_matmul_precision changes nothing.
+  Whole matrices, stacks, per-head blocks, and matrices placed or split over a mesh go through one policy."""
+  grads = {"wide": jnp.ones((16, 48)), "stack": jnp.ones((2, 16, 16))}
+  heads = {"wq": {"kernel": jnp.ones((6, 8))}, "wk": {"kernel": jnp.ones((6, 8))}}
+  mesh = jax.make_mesh((8,), ("model",))
+  split = {"w": jax.random.normal(jax.random.key(0), (16, 128))}
+  cases = [(mc.muon(1.0, ns_method=m, matrix_axes=_axes), grads) for m in ("auto", "standard", "gram")]
+  cases += [(mc.muon(1.0, layout=mc.GQALayout(2, 2, 4, value=None), muon_blocks="head"), heads),
+            (mc.muon(1.0, ns_method="gram", shard_orthogonalization=mesh, shard_split="always"), split)]
+  for i, (opt, tree) in enumerate(cases):
+    state = opt.init(tree)
+    for backend in ("tpu", "gpu", "cpu"):
+      # emulated, a dot rounds its operands by the precision it names, else by the flag
+      traced = {_trace(opt.update, (tree, state, tree), backend, flag) for flag in (None, "bfloat16", "float32")}
+      assert len(traced) == 1, (i, backend)
+
+
+def test_the_policy_per_backend_and_its_override():
+  """CPU: Gram where it saves FLOPs, every product exact; GPU/TPU: "auto" is the standard iteration at
+  the one-pass rate, a Gram iteration keeps exact products; ns_precision picks either anywhere."""
+  highest, default = jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT
+  for backend, gram, standard in (("cpu", True, highest), ("gpu", False, default), ("tpu", False, default)):
+    with emulate(backend):
+      assert precision.uses_gram("auto", 64, 256, None, 2) is gram
+      assert precision.products(None, False) == standard and precision.products(None, True) == highest
+      assert precision.uses_gram("auto", 64, 256, "highest", 2) and not precision.uses_gram("auto", 64, 256,
+                                                                                              "default", 2)
+      assert ns_flops((64, 256), steps=4, method="auto") == ns_flops(
+          (64, 256), steps=4, method="gram" if gram else "standard")
+  x = jnp.asarray(make_input("cond_1e6", (64, 256)))
+  with emulate("tpu"):  # the CPU's policy on a TPU: Gram at exact products, in band
+    out = mc.newton_schulz(x, coeffs="polar_express_4", method="auto", precision="highest")
+  got = band(out, x)
+  assert got.top <= 1.25 and got.low >= 0.70, got
+  with pytest.raises(ValueError, match=r"ns_precision must be None .* one of \('highest', 'default'\), got 'fast'"):
+    mc.muon(1.0, ns_precision="fast")
