@@ -306,6 +306,10 @@ def test_flat_keyed_dicts_label_as_their_nested_form(form):
     n_params = optax.apply_updates(n_params, u)
   for k, v in traverse_util.flatten_dict(n_params).items():
     np.testing.assert_array_equal(flat[key(k)], v, err_msg=str(k))  # one program each, the same arithmetic
+  if form == "dotted":  # a flat key beside the nested path it spells: refused, never one leaf for the other
+    clash = {"l": {"w": jnp.ones((8, 8))}, "l.w": jnp.ones((4, 8))}
+    with pytest.raises(ValueError, match=r"two parameters have the path 'l/w'"):
+      mc.muon_adamw(1e-2).init(clash)
 
 
 @pytest.mark.parametrize("names", [("embed", "exp"), ("embed", "expert"), ("exp", "embed"), ("layers", "embed", "exp")])
@@ -319,6 +323,12 @@ def test_a_router_whose_expert_axis_is_named_is_one_matrix_for_muon(names):
   axes = nn.unbox(mc.logical_matrix_axes(params))["moe"]["gate"]["kernel"]
   rest = [a for a, n in enumerate(names) if n != "layers"]
   assert axes == mc.MatrixAxes((rest[0],), (rest[1],))
+  # under a module named gate, a stack of experts stays a batch and a per-expert vector a vector
+  stack = {"experts": {"gate": {"kernel": nn.Partitioned(jnp.zeros((4, 8, 12)), names=("exp", "embed", "mlp"))},
+                       "gate_b": {"bias": nn.Partitioned(jnp.zeros((4, 12)), names=("exp", "mlp"))}}}
+  assert nn.unbox(mc.logical_matrix_axes(stack))["experts"]["gate"]["kernel"] == mc.MatrixAxes((1,), (2,))
+  vector = {"moe": {"gate": {"kernel": nn.Partitioned(jnp.zeros((4, 12)), names=("exp", "mlp"))}}}
+  assert nn.unbox(mc.muon_labels(vector)) == {"moe": {"gate": {"kernel": "adam"}}}
   g = jax.random.normal(jax.random.key(0), kernel.value.shape)
   opt = mc.scale_by_muon(beta=0.0)
   u = opt.update({"moe": {"gate": {"kernel": g}}}, opt.init({"moe": {"gate": {"kernel": kernel}}}))[0]

@@ -359,6 +359,17 @@ def test_a_fused_gate_up_is_cut_into_gate_and_up_as_stored_apart():
       assert_close(pick(got, h), per_matrix_reference(part[None], 1)[0])
 
 
+def test_a_fused_gate_up_beside_a_down_proj_routed_elsewhere_is_cut_by_its_layers_convention():
+  """A Flax Dense's gate_up_proj/kernel whose down_proj is frozen (not in Muon's tree): cut along its output."""
+  gate, up, down = _gated_mlp(np.random.default_rng(3))
+  params = {"mlp": {"gate_up_proj": {"kernel": np.concatenate([gate[0].T, up[0].T], 1)},
+                    "down_proj": {"kernel": down[0].T}}}
+  labels = {"mlp": {"gate_up_proj": {"kernel": "muon"}, "down_proj": {"kernel": "frozen"}}}
+  got = muon_update(mc.muon_adamw(1.0, weight_decay=0.0, labels=labels), params, params)["mlp"]
+  assert_close(got["gate_up_proj"]["kernel"][:, F:], per_matrix_reference(up[:1].swapaxes(1, 2), 1)[0])
+  np.testing.assert_array_equal(got["down_proj"]["kernel"], 0.0)
+
+
 def test_a_fused_gate_up_the_library_cannot_read_is_refused_and_a_declared_cut_is_honoured():
   gate, up, down = _gated_mlp(np.random.default_rng(1))
   per_expert = mc.MatrixAxes((-1,), (-2,))

@@ -366,7 +366,8 @@ def test_no_option_is_typed_any(fn):
 
 # A value other than the default for every option of scale_by_muon.
 _MUON_OPTIONS = dict(beta=0.9, nesterov=False, ns_steps=3, ns_coeffs="muon", ns_method="gram",
-                     ns_normalize="frobenius", ns_restarts=(1,), ns_batch=2, eps=1e-6, compute_dtype=jnp.bfloat16,
+                     ns_normalize="frobenius", ns_restarts=(1,), ns_precision="highest", ns_batch=2, eps=1e-6,
+                     compute_dtype=jnp.bfloat16,
                      mu_dtype=jnp.bfloat16, rms_match="keller", rms_scale=0.3,
                      matrix_axes=mc.MatrixAxes((-2,), (-1,)), layout=mc.MLALayout(2, 4, 4, 4), muon_blocks="part",
                      shard_orthogonalization=object(), shard_split="never")

@@ -88,5 +88,8 @@ def test_the_policy_per_backend_and_its_override():
     out = mc.newton_schulz(x, coeffs="polar_express_4", method="auto", precision="highest")
   got = band(out, x)
   assert got.top <= 1.25 and got.low >= 0.70, got
-  with pytest.raises(ValueError, match=r"ns_precision must be None .* one of \('highest', 'default'\), got 'fast'"):
+  with pytest.raises(ValueError, match=r"ns_precision .* must be None .* one of \('highest', 'default'\), got 'fast'"):
     mc.muon(1.0, ns_precision="fast")
+  for method in ("gram", "standard", "auto"):
+    with pytest.raises(ValueError, match="got 'fast'"):
+      mc.newton_schulz(x, method=method, precision="fast")

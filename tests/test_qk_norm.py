@@ -174,3 +174,42 @@ def test_gemma_qk_norm_conventions_clip_to_tau_exactly(model, offset, start):
     np.testing.assert_allclose(wrong, float(s[0]), rtol=1e-5)
   with pytest.raises(ValueError, match=r"Gemma 2 and 3's RMSNorm; Gemma 4's QK-norm computes x \* scale"):
     qk_clip(params, {"attn": {"max_logits": s}}, qk_clip_threshold=tau, layout=GQALayout(1, 1, HD, **proj))
+
+
+def _tunix_style(params, gain="w"):
+  """The Gemma-style tree with Tunix's naming: norms ``q_norm``/``k_norm`` whose gain is the leaf ``w``."""
+  out = {}
+  for layer, v in params.items():
+    a = dict(v["attn"])
+    a["q_norm"] = {gain if k == "scale" else k: x for k, x in a.pop("_query_norm").items()}
+    a["k_norm"] = {gain if k == "scale" else k: x for k, x in a.pop("_key_norm").items()}
+    out[layer] = {"attn": a}
+  return out
+
+
+@pytest.mark.parametrize("gain", ["w", "weight"])
+def test_a_qk_norm_is_found_by_what_it_is_whatever_its_gain_is_called(gain):
+  """Tunix's ``q_norm/w`` (torch ports' ``q_norm/weight``): undeclared, refused (the clip would do nothing);
+  declared by module (``query_norm="q_norm"``) or by leaf (``"q_norm/w"``), clipped as a ``scale`` leaf is."""
+  rng = np.random.default_rng(1)
+  params = _gemma_params(True, H, 0.0, rng)
+  x = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
+  ml = _gemma_maxima(params, x, 0.0)
+  tau = float(np.median(np.stack([np.asarray(v["attn"]["max_logits"]) for v in ml.values()])))
+  base = dict(query=Projection("q_einsum", leaf="w", axes=("heads", "in", "head_dim")),
+              key=Projection("k_einsum", leaf="w", axes=("heads", "in", "head_dim")))
+  tunix = _tunix_style(params, gain)
+  with pytest.raises(ValueError, match=r"layer_0/attn/q_norm looks like a QK-norm.*query_norm='q_norm', "
+                                       r"key_norm='k_norm'"):
+    qk_clip(tunix, ml, qk_clip_threshold=tau, layout=GQALayout(H, H, HD, **base))
+  want = qk_clip(params, ml, qk_clip_threshold=tau,
+                 layout=GQALayout(H, H, HD, query_norm="_query_norm", key_norm="_key_norm", **base))
+  for q, k in (("q_norm", "k_norm"), (f"q_norm/{gain}", f"k_norm/{gain}")):
+    got = qk_clip(tunix, ml, qk_clip_threshold=tau, layout=GQALayout(H, H, HD, query_norm=q, key_norm=k, **base))
+    for layer in params:
+      for norm, ref in (("q_norm", "_query_norm"), ("k_norm", "_key_norm")):
+        np.testing.assert_array_equal(got[layer]["attn"][norm][gain], want[layer]["attn"][ref]["scale"])
+        np.testing.assert_array_equal(got[layer]["attn"][norm]["bias"], want[layer]["attn"][ref]["bias"])
+  with pytest.raises(ValueError, match=r"the layout names the query norm 'q_norm/scale', but .* holds no gain"):
+    qk_clip(tunix, ml, qk_clip_threshold=tau,
+            layout=GQALayout(H, H, HD, query_norm="q_norm/scale", key_norm="k_norm/scale", **base))

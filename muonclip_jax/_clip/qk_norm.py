@@ -21,15 +21,18 @@ g and b by c scales q (or k) by c, the same per-head rule as on a kernel:
   per-layer clipping Kimi K2, section 2.1, argues against). A model that wants per-head
   clipping needs per-head norm scales.
 
-``GQALayout(query_norm=..., key_norm=...)`` names the norms (sub-module paths next to the
-projections, leaf ``scale`` and optional ``bias``). ``norm_scale_offset`` says how the norm
+``GQALayout(query_norm=..., key_norm=...)`` names the norms: sub-module paths next to the
+projections (their gain is the leaf ``scale``, else their one leaf other than ``bias``, as
+Tunix's ``q_norm/w`` or torch ports' ``q_norm/weight``; an optional ``bias`` beside it), or
+the gain's own path (``"q_norm/w"``). ``norm_scale_offset`` says how the norm
 applies its scale: 0.0 (default) for ``x * scale`` (Flax's ``LayerNorm``/``RMSNorm``, Qwen3,
 OLMo 2, and Gemma 4, whose QK-norm scale starts at 1), 1.0 for ``x * (1 + scale)`` (Gemma 2
 and Gemma 3's RMSNorm, whose scale starts at 0): the new scale is then c (1 + g) - 1. The
 wrong offset mis-scales the head: ``1.0`` on Gemma 4's ``x * scale`` with g = 1 and
 ``clip_mode="query"`` turns gamma = 0.75 into the scale 2 * 0.75 - 1 = 0.5, so a head at 8
 with tau 6 ends at 4 instead of 6. A GQA module
-with a norm of a known QK-norm name (``NORM_NAMES``) that its layout does not declare is a
+with a norm of a known QK-norm name (``NORM_NAMES``: a sub-module under the attention module
+holding a gain, whatever its leaf is called) that its layout does not declare is a
 ValueError naming the norm: never a clip with no effect.
 """
 
@@ -48,11 +51,23 @@ NORM_NAMES = ("query_ln", "key_ln", "q_norm", "k_norm", "query_norm", "key_norm"
               "q_layernorm", "k_layernorm")
 
 
+def gain_key(norm: str, index: Mapping[str, object]) -> str | None:
+  """The path of a norm's gain under its attention module: ``norm`` itself when it names a leaf,
+  else ``norm/scale``, else the norm's one leaf other than ``bias`` (``w``, ``weight``); None."""
+  if norm in index:
+    return norm
+  if f"{norm}/scale" in index:
+    return f"{norm}/scale"
+  inside = [k for k in index if k.startswith(norm + "/") and "/" not in k[len(norm) + 1:]]
+  gains = [k for k in inside if k.rpartition("/")[2] != "bias"]
+  return gains[0] if len(gains) == 1 else None
+
+
 def check_undeclared(module: str, lay: GQALayout, shapes: Mapping[str, tuple], caller: str) -> None:
   """Raises ValueError for a GQA module with a QK-norm its layout does not declare."""
   if lay.query_norm is not None:
     return
-  found = [n for n in NORM_NAMES if f"{n}/scale" in shapes]
+  found = [n for n in NORM_NAMES if gain_key(n, shapes) not in (None, n)]
   if found:
     q = next((n for n in found if n.lstrip("_").startswith("q")), found[0])
     k = next((n for n in found if n.lstrip("_").startswith("k")), found[-1])
@@ -66,7 +81,7 @@ def check_undeclared(module: str, lay: GQALayout, shapes: Mapping[str, tuple], c
     )
 
 
-def _kind(module: str, norm: str, shape: tuple, stack: tuple, heads: int, head_dim: int, caller: str) -> str:
+def _kind(module: str, gain: str, shape: tuple, stack: tuple, heads: int, head_dim: int, caller: str) -> str:
   tail = tuple(shape[len(stack):])
   if tuple(shape[: len(stack)]) == tuple(stack):
     if tail == (head_dim,):
@@ -74,7 +89,7 @@ def _kind(module: str, norm: str, shape: tuple, stack: tuple, heads: int, head_d
     if tail in ((heads, head_dim), (heads * head_dim,)):
       return "per_head"
   raise ValueError(
-      f"{caller}: {join(module, norm + '/scale')} has shape {shape}; a QK-norm scale is expected to be "
+      f"{caller}: {join(module, gain)} has shape {shape}; a QK-norm scale is expected to be "
       f"{(*stack, head_dim)} (shared by heads), {(*stack, heads, head_dim)} or {(*stack, heads * head_dim)} "
       f"(per head), where {stack} is the stacked-layer shape of the maxima"
   )
@@ -93,28 +108,33 @@ def scale_norms(module: str, lay: GQALayout, index: Mapping[str, int], leaves: l
   else:
     group_min = gamma.reshape(*stack, lay.num_kv_heads, lay.group_size).min(axis=-1)
     per_head = {"query": root, "key": jnp.sqrt(group_min)}
+  gains = {}
   for role, norm, heads in (("query", lay.query_norm, lay.num_heads), ("key", lay.key_norm, lay.num_kv_heads)):
-    key = f"{norm}/scale"
-    if key not in index:
-      raise ValueError(f"{caller}: the layout names the {role} norm {norm!r}, but {join(module, key)} is missing; "
+    key = gain_key(norm, index)
+    if key is None:
+      raise ValueError(f"{caller}: the layout names the {role} norm {norm!r}, but {join(module, norm)} holds no "
+                       f"gain (a leaf 'scale', or one leaf other than 'bias'; or name the leaf: '{norm}/w'); "
                        f"parameters under {module or '<root>'!r}: {sorted(index)}")
-    _kind(module, norm, jnp.shape(leaves[index[key]]), stack, heads, lay.head_dim, caller)  # checks the shape
-  for role, norm, heads in (("query", lay.query_norm, lay.num_heads), ("key", lay.key_norm, lay.num_kv_heads)):
+    gains[role] = key
+    _kind(module, key, jnp.shape(leaves[index[key]]), stack, heads, lay.head_dim, caller)  # checks the shape
+  for role, heads in (("query", lay.num_heads), ("key", lay.num_kv_heads)):
     f = per_head[role]
     if f is None:
       continue
-    i = index[f"{norm}/scale"]
+    key = gains[role]
+    i = index[key]
     shape = jnp.shape(leaves[i])
-    if _kind(module, norm, shape, stack, heads, lay.head_dim, caller) == "shared":
+    if _kind(module, key, shape, stack, heads, lay.head_dim, caller) == "shared":
       # One factor for every head: the smallest, so that each head shrinks at least by its own.
       factor = jnp.broadcast_to(jnp.min(f, axis=-1)[..., None], shape)
     else:
       factor = jnp.broadcast_to(f[..., None], (*stack, heads, lay.head_dim)).reshape(shape)
     leaves[i] = _affine(leaves[i], factor, lay.norm_scale_offset)
-    b = index.get(f"{norm}/bias")
+    bias = f"{key.rpartition('/')[0]}/bias" if "/" in key else None
+    b = index.get(bias) if bias else None
     if b is not None:
       if jnp.shape(leaves[b]) != shape:
-        raise ValueError(f"{caller}: {join(module, norm + '/bias')} has shape {jnp.shape(leaves[b])}; expected "
+        raise ValueError(f"{caller}: {join(module, bias)} has shape {jnp.shape(leaves[b])}; expected "
                          f"{shape}, the shape of its scale")
       leaves[b] = _affine(leaves[b], factor, 0.0)
 

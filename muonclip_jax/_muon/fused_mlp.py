@@ -15,10 +15,11 @@ each gate then up along one axis (``x @ W`` chunked in two halves):
   ``down_proj/kernel`` ``(intermediate, hidden)``.
 
 Such a leaf is cut into its two halves along the fused axis (``MatrixAxes.fused``) when its
-``down_proj`` sibling's shape confirms the storage and the fused axis is one whole side of the
-matrix. Any other leaf of that name (gpt-oss's ``(experts, hidden, 2 * intermediate)``, gate
+``down_proj`` sibling's shape confirms the storage (a ``weight`` or ``kernel`` leaf whose
+``down_proj`` is not in the tree Muon sees, routed to AdamW or frozen, is cut along its
+layer's output axis by that convention) and the fused axis is one whole side of the matrix. Any other leaf of that name (gpt-oss's ``(experts, hidden, 2 * intermediate)``, gate
 and up interleaved column by column; no ``down_proj`` beside it; shapes that fit no storage
-above) is a ValueError naming the leaf: declare the cut (``MatrixAxes(..., fused=(axis, 2))``),
+above; a bare ``gate_up_proj`` without its ``down_proj``) is a ValueError naming the leaf: declare the cut (``MatrixAxes(..., fused=(axis, 2))``),
 or ``fused=(axis, 1)`` to keep one matrix.
 """
 
@@ -54,6 +55,8 @@ def fused_gate_up(tree: Any):
     other = 2 * len(shape) - 3 - axis  # the matrix's other side
     fits = (down is not None and len(down) == len(shape) and down[:-2] == shape[:-2]
             and shape[axis] == 2 * down[other] and shape[other] == down[axis])
+    if down is None and parts[-1] != NAME and shape[axis] % 2 == 0:
+      fits = True  # a Linear's / Dense's out axis, by convention; its down_proj routed elsewhere (frozen, AdamW)
     _, fan_in, fan_out = axes.resolve(path, shape)
     if fits and (axis,) in (fan_in, fan_out):
       return MatrixAxes(axes.fan_in, axes.fan_out, fused=(axis, 2))

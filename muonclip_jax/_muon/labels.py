@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from .._util import (has_boxes, is_box, LAYER_NAMES, leaf_shape, logical_names, MetadataMemo, path_str, STACK_NAMES,
+from .._util import (EXPERT_NAMES, has_boxes, is_box, LAYER_NAMES, leaf_shape, logical_names, MetadataMemo, path_str, STACK_NAMES,
                      VOCAB)
 from .._clip import EMBEDDING, leaf_roles, MATRIX
 
@@ -48,9 +48,20 @@ def _is_router(parts: list[str]) -> bool:
   return any(p in ROUTER_NAMES for p in parts)
 
 
-def is_router(path: str) -> bool:
-  """A leaf under a path component named ``gate`` or ``router`` (any case): a router's matrix."""
-  return _is_router(path.lower().split("/"))
+def router_batch_names(path: str, names: tuple) -> frozenset:
+  """The logical names of a leaf's batch axes: stacked layers and experts (``STACK_NAMES``), but
+  only stacked layers for a router's own matrix whose expert axis is its output: a leaf of a
+  module (or itself) named ``gate`` or ``router`` whose names, besides the layer and expert
+  axes, hold one axis, the model width (a name containing ``embed``, or None): ``("embed",
+  "exp")`` is one ``embed x experts`` matrix. A per-expert vector under such a module
+  (``("exp", "mlp")``) stays a vector, and a stack of experts (``("exp", "embed", "mlp")``) a
+  batch of matrices."""
+  parts = path.lower().split("/")
+  rest = [n for n in names if n not in STACK_NAMES]
+  if (any(p in ROUTER_NAMES for p in parts[-2:]) and len(rest) == 1 and any(n in EXPERT_NAMES for n in names)
+      and (rest[0] is None or "embed" in str(rest[0]))):
+    return LAYER_NAMES
+  return STACK_NAMES
 
 
 def _is_norm(part: str) -> bool:
@@ -120,7 +131,7 @@ def _matrix_or_adam(parts: list[str], shape: tuple[int, ...], names: tuple | Non
   if any(w in p for p in parts for w in _EMBEDDING_WORDS) or any(p in _HEAD_NAMES for p in parts):
     return ADAM
   # a router's expert axis is its matrix's output (``("embed", "exp")``), not a batch axis
-  batch = LAYER_NAMES if _is_router(parts) else STACK_NAMES
+  batch = STACK_NAMES if names is None else router_batch_names("/".join(parts), names)
   if names is not None and (VOCAB in names or sum(n not in batch for n in names) < 2):
     return ADAM
   if (len(shape) == 2 and names is None and not _in_numbered_layer(parts)
@@ -201,7 +212,8 @@ def muon_labels(params: Any, *, router: str = MUON) -> Any:
      padded with None as Flax pads them) with a ``"vocab"`` axis, or with fewer than two
      axes besides the layer and expert axes (a vector per layer of a stack, a bias per
      expert ``("exp", "mlp")``): AdamW. A router's expert axis counts as one of the two
-     (``("embed", "exp")``, ``("exp", "embed")``: its matrix's output, rule 10).
+     (a leaf of a module named ``gate`` or ``router`` named ``("embed", "exp")`` or ``("exp",
+     "embed")``: its matrix's output, rule 10; ``router_batch_names``).
   8. a 2-D leaf of shape ``(width, vocabulary)`` or ``(vocabulary, width)`` of one of the
      tree's token-embedding tables (``vocab``, from ``vocab_sizes``): an output head under a
      name rule 6 does not know: AdamW. Not applied to a leaf with logical names (rule 7

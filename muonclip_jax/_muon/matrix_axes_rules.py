@@ -17,7 +17,7 @@ import optax
 from .._util import (EXPERT_NAMES, HEAD_AXIS_NAMES, is_box, LAYER_NAMES, leaf_shape, logical_names, MatrixAxes,
                      MatrixAxesSpec, names_by_path, path_str, STACK_NAMES)
 from .._clip import declared_matrix_axes, storage_axes
-from .labels import is_router
+from .labels import router_batch_names as batch_names
 
 # Logical axis names (Flax's nn.with_logical_partitioning, NNX sharding metadata).
 LAYERS = "layers"  # the name the hints suggest for a stacked-layer axis
@@ -46,10 +46,6 @@ def as_matrix_axes(spec: Any, where: str = "matrix_axes") -> MatrixAxes | None:
   raise ValueError(f"{where}: expected a MatrixAxes, an optax.contrib.MuonDimensionNumbers or None, got {spec!r}")
 
 
-def batch_names(path: str) -> frozenset:
-  """The logical names of a leaf's batch axes: stacked layers and experts (``STACK_NAMES``), but
-  only stacked layers for a router, whose expert axis is its matrix's output (``(d, experts)``)."""
-  return LAYER_NAMES if is_router(path) else STACK_NAMES
 
 
 def axes_from_names(path: str, shape: tuple[int, ...], names: tuple) -> MatrixAxes:
@@ -58,9 +54,9 @@ def axes_from_names(path: str, shape: tuple[int, ...], names: tuple) -> MatrixAx
   Rule: axes named for stacked layers (``"layers"``, ``"stage"``) or for experts (``"exp"``,
   ``"expert"``, ``"experts"``, ``"num_experts"``, ``"n_experts"``; ``_util.logical_axes``) are
   batch axes, in any order: MaxText's scanned experts ``("exp", "layers", "embed_no_exp",
-  "mlp")`` are one ``embed x mlp`` matrix per expert and layer. A router's (a path component
-  ``gate`` or ``router``) expert axis is its matrix's output, not a batch axis: ``("embed",
-  "exp")`` is one ``embed x experts`` matrix (``batch_names``). Of the others, in order,
+  "mlp")`` are one ``embed x mlp`` matrix per expert and layer. A router's expert axis is its
+  matrix's output, not a batch axis: ``("embed", "exp")`` under a module ``gate`` or ``router``
+  is one ``embed x experts`` matrix (``labels.router_batch_names``). Of the others, in order,
   the first group is the fan-in and the rest the fan-out: with two axes each is one group,
   named or not (MaxText's gate ``("embed", None)``, scanned ``("embed", "layers", None)``);
   with more, all named, the head axes (``heads``, ``q_heads``, ``kv_heads``, ``kv``,
@@ -78,7 +74,7 @@ def axes_from_names(path: str, shape: tuple[int, ...], names: tuple) -> MatrixAx
         f"{tuple(names[a] for a in experts)} (axes {tuple(experts)}); a mixture-of-experts kernel has one expert "
         f"axis, batched by Muon (one matrix per expert): name the other axes for what they are (e.g. "
         f"('{EXPERTS}', 'embed', 'mlp')), or pass matrix_axes=MatrixAxes(fan_in=..., fan_out=...) for it")
-  rest = [a for a, n in enumerate(names) if n not in batch_names(path)]
+  rest = [a for a, n in enumerate(names) if n not in batch_names(path, names)]
   fail = (f"{path}: cannot tell the matrix of a parameter of shape {shape} from its logical axis names "
           f"{names}: expected two axes besides the batch axes (stacked layers {sorted(LAYER_NAMES)}, experts "
           f"{sorted(EXPERT_NAMES)}), or, all named, a group of head axes {sorted(HEAD_AXIS_NAMES)} "
@@ -122,7 +118,7 @@ def logical_matrix_axes(params: Any) -> Any:
 
   def axes(p, x):
     names = logical_names(x) if is_box(x) else None
-    if names is None or sum(n not in batch_names(path_str(p)) for n in names) < 2:  # a vector, stacked or not
+    if names is None or sum(n not in batch_names(path_str(p), names) for n in names) < 2:  # a vector, stacked or not
       return None
     if len(names) == 2 and None in names:  # a 2-D matrix with a short or partial spec: (in, out)
       return None
@@ -171,7 +167,7 @@ def _check_batch_names(path: str, shape: tuple[int, ...], names: tuple, axes: Ma
   if len(names) != len(shape):
     raise ValueError(f"{path}: logical axis names {names} do not match the shape {shape}")
   batch, fi, fo = axes.resolve(path, shape)
-  allowed = batch_names(path)  # a router's expert axis is its matrix's output, not a batch axis
+  allowed = batch_names(path, names)  # a router's expert axis is its matrix's output, not a batch axis
   bad = tuple(a for a in batch if names[a] is not None and names[a] not in allowed)
   merged = tuple(a for a in fi + fo if names[a] in allowed & EXPERT_NAMES)
   if not bad and not merged:

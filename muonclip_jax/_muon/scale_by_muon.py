@@ -337,11 +337,16 @@ def scale_by_muon(
     return muon_blocks_lookup(matrix_axes, layout, muon_blocks, tree, rms_match=rms_match)
 
   def init_fn(params):
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    paths = [path_str(path) for path, _ in flat]
+    twice = sorted({p for p in paths if paths.count(p) > 1})
+    if twice:
+      raise ValueError(f"scale_by_muon: two parameters have the path {twice[0]!r} (a flat key such as 'a.b' beside "
+                       "a nested a/b: the same components): rename one, or nest the flat keys")
     lookup = blocks_of(params)
     # Resolve every leaf now, so that an ambiguous tensor fails at init with its path.
     table = {}
-    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-      p = path_str(path)
+    for p, (_, x) in zip(paths, flat):
       if jnp.issubdtype(x.dtype, jnp.complexfloating):
         raise TypeError(f"scale_by_muon: the parameter at {p} is complex ({x.dtype}); Muon's Newton–Schulz and "
                         "its momentum scale are real: route it to another optimizer (labels=), or store it as "

@@ -40,19 +40,21 @@ def policy(precision: str | None) -> str:
   if precision is None:
     return "highest" if jax.default_backend() == "cpu" else "default"
   if precision not in POLICIES:
-    raise ValueError(f"ns_precision must be None (the backend's policy) or one of {POLICIES}, got {precision!r}")
+    raise ValueError(f"ns_precision (newton_schulz's precision) must be None (the backend's policy) or one of "
+                     f"{POLICIES}, got {precision!r}")
   return precision
 
 
 def uses_gram(method: str, m: int, n: int, precision: str | None, aspect: int) -> bool:
   """Whether ``method`` runs the Gram iteration on an ``m x n`` matrix (``m <= n``)."""
+  chosen = policy(precision)  # validates it
   if method == "gram":
     return True
-  return method == "auto" and policy(precision) == "highest" and n >= aspect * m
+  return method == "auto" and chosen == "highest" and n >= aspect * m
 
 
 def products(precision: str | None, gram: bool) -> jax.lax.Precision:
   """The ``jax.lax.Precision`` of every product of one iteration (module docstring)."""
-  if gram or policy(precision) == "highest":
+  if policy(precision) == "highest" or gram:
     return jax.lax.Precision.HIGHEST
   return jax.lax.Precision.DEFAULT

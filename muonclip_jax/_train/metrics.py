@@ -28,13 +28,17 @@ def grad_norm(grads: Any) -> jax.Array:
   it is ``optax.tree.norm``'s, bit for bit.
   """
   plain = optax.tree.norm(grads)
-  leaves = [jnp.asarray(g, jnp.float32) for g in jax.tree.leaves(grads) if jnp.size(g)]
+  leaves = [g for g in jax.tree.leaves(grads) if jnp.size(g)]
   if not leaves:
     return plain
-  m = jnp.max(jnp.stack([jnp.max(jnp.abs(g)) for g in leaves]))
-  safe = jnp.where((m > 0) & jnp.isfinite(m), m, 1.0)
-  scaled = safe * jnp.sqrt(sum(jnp.sum(jnp.square(g / safe)) for g in leaves))
-  return jnp.where(jnp.isfinite(plain) | ~jnp.isfinite(m), plain, scaled.astype(plain.dtype))
+
+  def rescaled():  # run only where the plain norm overflowed (lax.cond): no extra passes otherwise
+    xs = [jnp.asarray(g, plain.dtype) for g in leaves]
+    m = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in xs]))
+    safe = jnp.where((m > 0) & jnp.isfinite(m), m, jnp.ones((), plain.dtype))
+    return jnp.where(jnp.isfinite(m), safe * jnp.sqrt(sum(jnp.sum(jnp.square(x / safe)) for x in xs)), plain)
+
+  return jax.lax.cond(jnp.isfinite(plain), lambda: plain, rescaled)
 
 
 def step_threshold(given: Any, before: OptStateView, after: OptStateView,
