@@ -1,5 +1,6 @@
 """Muon's matrix axes without hand-written callables: logical names, MuonDimensionNumbers, layouts."""
 
+import functools
 import re
 
 import chex
@@ -280,3 +281,44 @@ def test_attention_matrix_axes_refuses_an_unnamed_dense_general_kernel():
   assert nn.unbox(mc.attention_matrix_axes(lay, default=stack)(named)) == {"v_proj": {"kernel": None}}
   assert matrix_axes_lookup(mc.attention_matrix_axes(lay, default=stack), named)(
       "v_proj/kernel", (2, 32, 4, 8)) == mc.MatrixAxes((1,), (2, 3))
+
+
+@pytest.mark.parametrize("scan", ["dense_layers", "moe_layers"])
+def test_maxtext_0_2_5_scan_names_are_stacked_layer_axes(scan):
+  """MaxText 0.2.5 scans dense and MoE blocks apart (``dense_layers``, ``moe_layers``): any ``*_layers`` name
+  is a stacked-layer axis. An MLA layer scanned on axis 1 and an expert stack update as when the axis is
+  named ``layers``; before, the low-rank sizes were read as layer axes and init refused the module."""
+  from _exactness import assert_same_math
+  H, dn, dr, dv, ql, kl, D, L, E = 2, 4, 2, 4, 32, 16, 24, 3, 4
+  rng = np.random.default_rng(0)
+
+  def tree(name):
+    def box(shape, names):
+      return nn.Partitioned(jnp.asarray(rng.standard_normal(shape) * 0.1, jnp.float32), names=names)
+    attn = {"wq_a": {"kernel": box((D, L, ql), ("embed", name, "q_lora"))},
+            "wq_b": {"kernel": box((ql, L, H, dn + dr), ("q_lora", name, "q_heads", "kv"))},
+            "wkv_a": {"kernel": box((D, L, kl + dr), ("embed", name, "kv_lora"))},
+            "wkv_b": {"kernel": box((kl, L, H, dn + dv), ("kv_lora", name, "kv_heads", "kv_head_dim"))},
+            "out": {"kernel": box((H, L, dv, D), ("heads", name, "kv", "embed"))}}
+    moe = {"wi_0": box((E, L, D, 12), ("exp", name, "embed_no_exp", "mlp")),
+           "gate": {"kernel": box((D, L, E), ("embed", name, None))}}
+    return {"decoder": {"blocks": {"self_attention": attn, "MoeBlock_0": moe}}}
+
+  lay = mc.MLALayout(H, dn, dr, dv, query="wq_b", key_value="wkv_b", out="out")
+  ours, ref = tree(scan), tree("layers")
+  ref = jax.tree.map(lambda a, b: b.replace_boxed(a.value), ours, ref, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  ml = {"decoder": {"blocks": {"self_attention": {"max_logits": jnp.full((L, H), 10.0)}}}}
+  got = []
+  for params in (ours, ref):
+    opt = mc.muonclip(1e-2, layout=lay, qk_clip_threshold=5.0)
+    bare = nn.unbox(params)
+    updates, state = jax.jit(functools.partial(opt.update, max_logits=ml))(bare, opt.init(params), bare)
+    got.append(updates)
+    assert state[0].inner_states["muon"].inner_state[0].mu_scale["decoder"]["blocks"]["MoeBlock_0"]["wi_0"].shape == (
+        E, L, 1, 1)  # one scale per expert and layer
+  jax.tree.map(assert_same_math, got[0], got[1])
+  assert mc.logical_matrix_axes(ours)["decoder"]["blocks"]["MoeBlock_0"]["wi_0"] == mc.MatrixAxes((2,), (3,))
+  # a scan axis of a name the library does not know: the error names the names, not only the guessed shapes
+  with pytest.raises(ValueError, match=r"'blocks_stack', 'q_heads', 'kv'\).*names the library does not know.*_layers"):
+    mc.muonclip(1e-2, layout=lay).init({"decoder": {"blocks": {"self_attention": tree("blocks_stack")["decoder"][
+        "blocks"]["self_attention"]}}})

@@ -354,9 +354,15 @@ def detect(
     common = set.intersection(*({s for _, s in f} for f in fits.values()))
     if not common:
       found = {join(module, n.kernel): sorted({s for _, s in f}) for n, f in fits.items()}
+      named = {join(module, n.kernel): (names or {}).get(n.kernel) for n in fits if (names or {}).get(n.kernel)}
+      hint = ""
+      if named:  # names that did not tell: an axis of a name the library does not know, read from shapes
+        hint = (f"; their logical names {named} hold axes whose names the library does not know, so their "
+                "storage was guessed from shapes: name a stacked-layer axis 'layers', 'stage' or '<any>_layers', "
+                "or declare the kernels' axes with muonclip_jax.Projection(name, axes=...)")
       raise ValueError(
           f"{caller}: the projections of {module or '<root>'!r} disagree on their leading "
-          f"(stacked-layer) shape: {found} ({lay})"
+          f"(stacked-layer) shape: {found} ({lay}){hint}"
       )
     if len(common) == 1:
       fits = {n: [(f, s) for f, s in fl if s in common] for n, fl in fits.items()}

@@ -76,7 +76,7 @@ def axes_from_names(path: str, shape: tuple[int, ...], names: tuple) -> MatrixAx
         f"('{EXPERTS}', 'embed', 'mlp')), or pass matrix_axes=MatrixAxes(fan_in=..., fan_out=...) for it")
   rest = [a for a, n in enumerate(names) if n not in batch_names(path, names)]
   fail = (f"{path}: cannot tell the matrix of a parameter of shape {shape} from its logical axis names "
-          f"{names}: expected two axes besides the batch axes (stacked layers {sorted(LAYER_NAMES)}, experts "
+          f"{names}: expected two axes besides the batch axes (stacked layers {LAYER_NAMES!r}, experts "
           f"{sorted(EXPERT_NAMES)}), or, all named, a group of head axes {sorted(HEAD_AXIS_NAMES)} "
           "before or after the other axes; pass matrix_axes=MatrixAxes(fan_in=..., fan_out=...) for it")
   if len(rest) == 2:
@@ -205,7 +205,7 @@ def _check_batch_names(path: str, shape: tuple[int, ...], names: tuple, axes: Ma
     raise ValueError(f"{path}: matrix_axes={axes} {what}; each expert's matrix is its own (a batch axis). "
                      f"{fix[0].upper() + fix[1:]}. {works}")
   raise ValueError(
-      f"{path}: matrix_axes={axes} {what} (expected only stacked-layer {sorted(LAYER_NAMES)}, "
+      f"{path}: matrix_axes={axes} {what} (expected only stacked-layer {LAYER_NAMES!r}, "
       f"expert {sorted(EXPERT_NAMES)} or unnamed axes as batch axes). {fix[0].upper() + fix[1:]}. {works}")
 
 

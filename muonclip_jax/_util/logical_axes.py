@@ -14,9 +14,42 @@ expert's matrix is its own, as MaxText's ``muon_utils.py`` (``MuonDimensionNumbe
 
 from __future__ import annotations
 
+from typing import Any
+
+
+class NameSet(frozenset):
+  """A set of axis names that also holds every name ending in one of its ``suffixes``.
+
+  A stacked-layer axis is ``"layers"``, ``"stage"`` or any name ending in ``"_layers"``:
+  MaxText 0.2.5 scans its dense and mixture-of-experts blocks apart, as ``dense_layers`` and
+  ``moe_layers``.
+  """
+
+  suffixes: tuple[str, ...] = ()
+
+  def __new__(cls, names: Any = (), suffixes: tuple[str, ...] = ()):
+    out = super().__new__(cls, names)
+    out.suffixes = tuple(suffixes)
+    return out
+
+  def __contains__(self, name: object) -> bool:
+    return frozenset.__contains__(self, name) or (isinstance(name, str) and bool(self.suffixes)
+                                                   and name.endswith(self.suffixes))
+
+  def __or__(self, other: Any) -> NameSet:
+    return NameSet(frozenset(self) | frozenset(other), self.suffixes + tuple(getattr(other, "suffixes", ())))
+
+  def __and__(self, other: Any) -> frozenset:
+    return frozenset(n for n in frozenset(self) | frozenset(other) if n in self and n in other)
+
+  def __repr__(self) -> str:
+    return f"{sorted(self)} and *{', *'.join(self.suffixes)}" if self.suffixes else repr(sorted(self))
+
+
 # Names recognized for each declared axis role, by role.
 LOGICAL_AXES: dict[str, frozenset[str]] = {
-    "layers": frozenset({"layers", "stage"}),  # nn.scan(..., metadata_params={nn.PARTITION_NAME: "layers"})
+    # nn.scan(..., metadata_params={nn.PARTITION_NAME: "layers"}); MaxText 0.2.5's dense_layers, moe_layers
+    "layers": NameSet({"layers", "stage"}, suffixes=("_layers",)),
     "experts": frozenset({"exp", "expert", "experts", "num_experts", "n_experts"}),  # one matrix per expert
     "heads": frozenset({"heads", "q_heads", "kv_heads"}),
     "head_dim": frozenset({"kv", "head_dim", "qk_head_dim", "kv_head_dim", "v_head_dim", "qkv_head_dim"}),
