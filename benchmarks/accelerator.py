@@ -69,6 +69,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from optax import contrib  # noqa: E402
 
+import bench_attention  # noqa: E402
+import bench_per_head  # noqa: E402
 import muonclip_jax as mc  # noqa: E402
 from muonclip_jax._orthogonalize import ns_flops, presets  # noqa: E402
 from muonclip_jax import nn as mnn  # noqa: E402
@@ -76,8 +78,6 @@ from muonclip_jax import nn as mnn  # noqa: E402
 
 class Sizes(NamedTuple):
   ns_shapes: tuple[tuple[int, int], ...]
-  gpt: tuple[int, int, int, int, int]  # width, heads, head_dim, mlp, layers
-  mla: tuple[int, int, int, int, int, int, int, int, int] | None  # d, heads, q_lora, kv_lora, nope, rope, v, ffn, layers
   experts: tuple[int, int, int]  # count, rows, cols
   attn_seqs: tuple[int, ...]
   attn_shapes: dict  # name: (heads, kv_heads, qk width, v width)
@@ -85,13 +85,13 @@ class Sizes(NamedTuple):
   repeats: int
   compiles: int
   presets: tuple[str, ...] = ("polar_express_4", "muon")  # of sections 1 and 4
-  lean: bool = False  # the dry run: leave out the contenders that only change an option (compile time)
+  lean: bool = False  # the dry run: leave out the contenders that only change an option, and the MLA tree,
+  # whose update compiles long; one layer of each model set (compile time)
 
 
-FULL = Sizes(((4096, 4096), (4096, 16384)), (768, 12, 64, 3072, 12), (1024, 8, 384, 256, 64, 32, 64, 2816, 4),
-             (64, 2048, 7168), (4096, 8192), {"MLA": (16, 16, 192, 128), "GQA": (32, 8, 128, 128)}, (48, 256, 1024), 10, 2)
-DRY = Sizes(((16, 48),), (16, 2, 8, 32, 1), None,
-            (2, 8, 24), (32,), {"GQA": (4, 2, 8, 8)}, (2, 8, 16), 1, 1, ("polar_express_4",), True)
+FULL = Sizes(((4096, 4096), (4096, 16384)), (64, 2048, 7168), (4096, 8192),
+             {"MLA": (16, 16, 192, 128), "GQA": (32, 8, 128, 128)}, (48, 256, 1024), 10, 2)
+DRY = Sizes(((16, 48),), (2, 8, 24), (32,), {"GQA": (4, 2, 8, 8)}, (2, 8, 16), 1, 1, ("polar_express_4",), True)
 
 CUTOFF = 3e-3  # singular values below this fraction of the Frobenius norm are left out of the band
 
@@ -116,16 +116,9 @@ class Report:
 
 
 def run_alternating(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
-  """Each ``fn`` run once (compile, warm-up), then all in turn ``repeats`` times: seconds."""
-  for fn in fns.values():
-    jax.block_until_ready(fn())
-  times = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, fn in fns.items():
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn())
-      times[name].append(time.perf_counter() - t0)
-  return times
+  """Each ``fn`` run once (compile, warm-up), then all in turn ``repeats`` times, the order
+  reversed every other round: seconds (``bench_attention._time_alternating``, the suite's timer)."""
+  return bench_attention._time_alternating(fns, (), repeats)
 
 
 def ms(ts: list[float]) -> str:
@@ -329,21 +322,13 @@ def section_band(rep: Report, sz: Sizes) -> None:
 
 
 def trees(sz: Sizes) -> dict:
-  """``{name: (params, layout)}``: bench_per_head.py's GPT-2-small and MLA sets (``kernel`` leaves)."""
-  from model_shapes import gqa_attention, mla_attention, mlp
-
-  d, h, hd, ff, layers = sz.gpt
-  def build(layer, count, seed):
-    keys = iter(jax.random.split(jax.random.key(seed), len(layer) * count))
-    return {f"l{i}": {n: {"kernel": jax.random.normal(next(keys), s, jnp.float32)} for n, (s, _) in layer.items()}
-            for i in range(count)}
-
-  gpt = {**gqa_attention(d, h, h, hd), **mlp(d, ff)}
-  out = {f"GPT-2-small, {layers} layers": (build(gpt, layers, 0), mc.GQALayout(h, h, hd, value="wv", out="wo"))}
-  if sz.mla is not None:  # left out of the dry run (its compile time)
-    md, mh, ql, kl, nope, rope, v, ffn, mlayers = sz.mla
-    mla = {**mla_attention(md, mh, ql, kl, nope, rope, v), **mlp(md, ffn)}
-    out[f"MLA, {mlayers} layers"] = (build(mla, mlayers, 1), mc.MLALayout(mh, nope, rope, v, out="wo"))
+  """``{name: (params, layout)}``: ``bench_per_head.models``' GPT-2-small (12 layers) and
+  DeepSeek-style MLA (4 layers) sets; the dry run takes their one-layer versions, GPT-2 only
+  (the MLA update's compile time)."""
+  out = {}
+  for name, (params, _, layout) in bench_per_head.models(quick=sz.lean).items():
+    if not sz.lean or "GPT" in name:
+      out[f"{name}, {len(params)} layer{'s' if len(params) > 1 else ''}"] = (params, layout)
   return out
 
 

@@ -125,8 +125,8 @@ def muonclip(
           adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,
           weight_decay_mask=weight_decay_mask, beta=beta, nesterov=nesterov, ns_steps=ns_steps,
           ns_coeffs=ns_coeffs, ns_method=ns_method, ns_normalize=ns_normalize, ns_restarts=ns_restarts,
-          ns_precision=ns_precision, ns_batch=ns_batch, eps=eps, compute_dtype=compute_dtype, mu_dtype=mu_dtype, rms_match=rms_match,
-          rms_scale=rms_scale, matrix_axes=matrix_axes, layout=layout, muon_blocks=muon_blocks,
+          ns_precision=ns_precision, ns_batch=ns_batch, eps=eps, compute_dtype=compute_dtype, mu_dtype=mu_dtype,
+          rms_match=rms_match, rms_scale=rms_scale, matrix_axes=matrix_axes, layout=layout, muon_blocks=muon_blocks,
           shard_orthogonalization=shard_orthogonalization, shard_split=shard_split),
       qk_clip_transform(qk_clip_threshold, layout=layout),
   )

@@ -350,7 +350,8 @@ def test_a_fused_gate_up_is_cut_into_gate_and_up_as_stored_apart():
   assert_same_math(got["gate_up_proj"][:, F:], want["up_proj"])
   assert_close(got["gate_up_proj"][:, F:], per_matrix_reference(up, 1))  # RMS 0.2, not 0.006
   # a dense MLP: a torch Linear (out, in) and a Flax Dense (in, out), no matrix_axes needed
-  for leaf, cat, pick in (("weight", 0, lambda x, h: x[h * F:(h + 1) * F]), ("kernel", 1, lambda x, h: x[:, h * F:(h + 1) * F])):
+  for leaf, cat, pick in (("weight", 0, lambda x, h: x[h * F:(h + 1) * F]),
+                          ("kernel", 1, lambda x, h: x[:, h * F:(h + 1) * F])):
     g, u = (gate[0], up[0]) if leaf == "weight" else (gate[0].T, up[0].T)
     d = down[0] if leaf == "weight" else down[0].T
     params = {"mlp": {"gate_up_proj": {leaf: np.concatenate([g, u], cat)}, "down_proj": {leaf: d}}}
@@ -374,10 +375,12 @@ def test_a_fused_gate_up_the_library_cannot_read_is_refused_and_a_declared_cut_i
   gate, up, down = _gated_mlp(np.random.default_rng(1))
   per_expert = mc.MatrixAxes((-1,), (-2,))
   axes = lambda t: jax.tree.map(lambda _: per_expert, t)  # noqa: E731
-  gpt_oss = {"experts": {"gate_up_proj": np.zeros((E, D, 2 * F), np.float32), "down_proj": np.zeros((E, F, D), np.float32)}}
+  gpt_oss = {"experts": {"gate_up_proj": np.zeros((E, D, 2 * F), np.float32),
+                         "down_proj": np.zeros((E, F, D), np.float32)}}
   alone = {"gate_up_proj": np.zeros((E, 2 * F, D), np.float32)}
   for params, seen in ((gpt_oss, r"experts/down_proj \(4, 12, 8\)"), (alone, "no down_proj beside it")):
-    with pytest.raises(ValueError, match=rf"gate_up_proj: a fused gate\|up projection of shape .*{seen}.*fused=\(axis, 2\)"):
+    with pytest.raises(ValueError, match=rf"gate_up_proj: a fused gate\|up projection of shape .*{seen}.*"
+                                         rf"fused=\(axis, 2\)"):
       mc.muon_adamw(1.0, matrix_axes=axes).init(params)
   # declared: the cut (any storage), or fused=(axis, 1) for one matrix
   stored = {"w": np.concatenate([gate, up], -2)}

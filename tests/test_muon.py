@@ -575,7 +575,8 @@ def test_boxed_params_at_init_and_bare_arrays_at_update():
   assert_same_math(boxed_updates["w"].value, want["w"])
   # muon_adamw (AdamW's half is optax's): a Linen model's boxed params at init, bare arrays at update
   dense = lambda names: nn.with_logical_partitioning(nn.initializers.lecun_normal(), names)  # noqa: E731
-  model = nn.Sequential([nn.Dense(8, kernel_init=dense(("embed", "mlp"))), nn.Dense(4, kernel_init=dense(("mlp", "embed")))])
+  model = nn.Sequential([nn.Dense(8, kernel_init=dense(("embed", "mlp"))),
+                         nn.Dense(4, kernel_init=dense(("mlp", "embed")))])
   params = model.init(jax.random.key(0), jnp.ones((1, 4)))["params"]
   bare = nn.unbox(params)
   grads = jax.tree.map(lambda x: jnp.cos(3 * x) + 0.1, bare)
@@ -613,7 +614,8 @@ def test_a_state_from_before_mu_scale_is_brought_forward():
   """upgrade_opt_state: a state saved without mu_scale, or with one scalar for an expert stack, in
   today's structure; the update from it equals the update from today's init with that momentum."""
   stack = mc.MatrixAxes((-2,), (-1,))
-  params = {"experts": {"w": jnp.zeros((3, 4, 8))}, "mlp": {"kernel": jnp.zeros((4, 8))}, "norm": {"scale": jnp.ones(4)}}
+  params = {"experts": {"w": jnp.zeros((3, 4, 8))}, "mlp": {"kernel": jnp.zeros((4, 8))},
+            "norm": {"scale": jnp.ones(4)}}
   opt = mc.muon_adamw(1e-2, matrix_axes={"experts": {"w": stack}, "mlp": {"kernel": None}, "norm": {"scale": None}})
   grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape), params)
   state = jax.jit(opt.update)(grads, opt.init(params), params)[1]

@@ -97,8 +97,8 @@ def muon(
   return skip_frozen_leaves(optax.chain(
       scale_by_muon(beta, nesterov=nesterov, ns_steps=ns_steps, ns_coeffs=ns_coeffs, ns_method=ns_method,
                     ns_normalize=ns_normalize, ns_restarts=ns_restarts, ns_precision=ns_precision,
-                    ns_batch=ns_batch, eps=eps, compute_dtype=compute_dtype, mu_dtype=mu_dtype, rms_match=rms_match, rms_scale=rms_scale,
-                    matrix_axes=matrix_axes, layout=layout, muon_blocks=muon_blocks,
+                    ns_batch=ns_batch, eps=eps, compute_dtype=compute_dtype, mu_dtype=mu_dtype, rms_match=rms_match,
+                    rms_scale=rms_scale, matrix_axes=matrix_axes, layout=layout, muon_blocks=muon_blocks,
                     shard_orthogonalization=shard_orthogonalization, shard_split=shard_split),
       optax.add_decayed_weights(weight_decay, weight_decay_mask),
       optax.scale_by_learning_rate(learning_rate),
@@ -214,8 +214,8 @@ def muon_adamw(
       learning_rate, weight_decay=weight_decay, weight_decay_mask=weight_decay_mask, beta=beta,
       nesterov=nesterov, ns_steps=ns_steps, ns_coeffs=ns_coeffs, ns_method=ns_method, ns_normalize=ns_normalize,
       ns_restarts=ns_restarts, ns_precision=ns_precision, ns_batch=ns_batch, eps=eps, compute_dtype=compute_dtype,
-      mu_dtype=mu_dtype, rms_match=rms_match, rms_scale=rms_scale, matrix_axes=matrix_axes, layout=layout, muon_blocks=muon_blocks,
-      shard_orthogonalization=shard_orthogonalization, shard_split=shard_split)
+      mu_dtype=mu_dtype, rms_match=rms_match, rms_scale=rms_scale, matrix_axes=matrix_axes, layout=layout,
+      muon_blocks=muon_blocks, shard_orthogonalization=shard_orthogonalization, shard_split=shard_split)
   adam_wd = weight_decay if adam_weight_decay is None else adam_weight_decay
   check_number("adam_weight_decay", adam_wd, low=0.0, high=math.inf, high_open=True, schedule=True)
   if adam_learning_rate is not None:

@@ -17,10 +17,11 @@ each gate then up along one axis (``x @ W`` chunked in two halves):
 Such a leaf is cut into its two halves along the fused axis (``MatrixAxes.fused``) when its
 ``down_proj`` sibling's shape confirms the storage (a ``weight`` or ``kernel`` leaf whose
 ``down_proj`` is not in the tree Muon sees, routed to AdamW or frozen, is cut along its
-layer's output axis by that convention) and the fused axis is one whole side of the matrix. Any other leaf of that name (gpt-oss's ``(experts, hidden, 2 * intermediate)``, gate
-and up interleaved column by column; no ``down_proj`` beside it; shapes that fit no storage
-above; a bare ``gate_up_proj`` without its ``down_proj``) is a ValueError naming the leaf: declare the cut (``MatrixAxes(..., fused=(axis, 2))``),
-or ``fused=(axis, 1)`` to keep one matrix.
+layer's output axis by that convention) and the fused axis is one whole side of the matrix.
+Any other leaf of that name (gpt-oss's ``(experts, hidden, 2 * intermediate)``, gate and up
+interleaved column by column; shapes that fit no storage above; a bare ``gate_up_proj``
+without its ``down_proj``) is a ValueError naming the leaf: declare the cut
+(``MatrixAxes(..., fused=(axis, 2))``), or ``fused=(axis, 1)`` to keep one matrix.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ from typing import Any
 
 import jax
 
-from .._util import (EXPERT_NAMES, has_boxes, is_box, LAYER_NAMES, leaf_shape, logical_names, MetadataMemo, path_str, STACK_NAMES,
-                     VOCAB)
+from .._util import (EXPERT_NAMES, has_boxes, is_box, LAYER_NAMES, leaf_shape, logical_names, MetadataMemo,
+                     path_str, STACK_NAMES, VOCAB)
 from .._clip import EMBEDDING, leaf_roles, MATRIX
 
 MUON = "muon"

@@ -61,9 +61,10 @@ def loss_grads_maxima(forward: Callable, params: Any, batch: Any, rng: Any, k: i
   ``k == 1`` one pass; with ``k > 1`` a ``lax.scan`` over the microbatches (``rng`` split
   into one key each): the loss, the gradients and ``aux`` are averaged (``aux`` in at
   least float32; each microbatch's share divided by ``k`` before it is added, so that ``k``
-  finite gradients near the dtype's largest do not overflow their sum), the maxima ``{module: (*stack, H)}`` combined by maximum. The gradient
-  of an integer or boolean leaf (a step counter kept in the params) is a zero of its dtype
-  (``jax.grad``'s ``float0``, made addable), which the library's optimizers leave alone.
+  finite gradients near the dtype's largest do not overflow their sum), the maxima
+  ``{module: (*stack, H)}`` combined by maximum. The gradient of an integer or boolean leaf (a
+  step counter kept in the params) is a zero of its dtype (``jax.grad``'s ``float0``, made
+  addable), which the library's optimizers leave alone.
   """
   value_and_grad = jax.value_and_grad(forward, has_aux=True, allow_int=True)
 
