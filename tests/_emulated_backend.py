@@ -262,20 +262,21 @@ def _emulated_default_backend() -> str:
   return _ORIGINAL_DEFAULT_BACKEND() if backend is None else backend
 
 
-def _install() -> None:
-  _lax_src.dot_general = _emulated_dot_general
-  jax.lax.dot_general = _emulated_dot_general
-  jax.lax.dot = _emulated_dot
-  jax.default_backend = _emulated_default_backend
-  jnp.einsum.__kwdefaults__[EINSUM_KWARG] = _emulated_dot_general
+# (set the name to a function, JAX's own, the emulated one) for each name the context replaces
+_PATCHES = (
+    (lambda f: setattr(_lax_src, "dot_general", f), _ORIGINAL_DOT_GENERAL, _emulated_dot_general),
+    (lambda f: setattr(jax.lax, "dot_general", f), _ORIGINAL_PUBLIC_DOT_GENERAL, _emulated_dot_general),
+    (lambda f: setattr(jax.lax, "dot", f), _ORIGINAL_PUBLIC_DOT, _emulated_dot),
+    (lambda f: setattr(jax, "default_backend", f), _ORIGINAL_DEFAULT_BACKEND, _emulated_default_backend),
+    (lambda f: jnp.einsum.__kwdefaults__.__setitem__(EINSUM_KWARG, f), _ORIGINAL_EINSUM_DEFAULT,
+     _emulated_dot_general),
+)
 
 
-def _restore() -> None:
-  _lax_src.dot_general = _ORIGINAL_DOT_GENERAL
-  jax.lax.dot_general = _ORIGINAL_PUBLIC_DOT_GENERAL
-  jax.lax.dot = _ORIGINAL_PUBLIC_DOT
-  jax.default_backend = _ORIGINAL_DEFAULT_BACKEND
-  jnp.einsum.__kwdefaults__[EINSUM_KWARG] = _ORIGINAL_EINSUM_DEFAULT
+def _patch(emulated: bool) -> None:
+  """Installs the emulated functions (``True``) or JAX's own back (``False``)."""
+  for set_to, original, replacement in _PATCHES:
+    set_to(replacement if emulated else original)
 
 
 @contextlib.contextmanager
@@ -286,7 +287,7 @@ def emulate(backend: str):
     raise ValueError(f"emulate: backend must be one of {BACKENDS}, got {backend!r}")
   with _LOCK:
     if _depth == 0:
-      _install()
+      _patch(True)
     _depth += 1
   try:
     with _BACKEND(backend):
@@ -295,7 +296,7 @@ def emulate(backend: str):
     with _LOCK:
       _depth -= 1
       if _depth == 0:
-        _restore()
+        _patch(False)
 
 
 # ----------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from flax import nnx
 import muonclip_jax as mc
 import muonclip_jax.nn as mnn
 from muonclip_jax import GQALayout, Projection, qk_clip
+from _exactness import assert_same_math
 
 H, HKV, D, HD, B, T = 4, 2, 16, 8, 2, 8
 
@@ -208,8 +209,8 @@ def test_a_qk_norm_is_found_by_what_it_is_whatever_its_gain_is_called(gain):
     got = qk_clip(tunix, ml, qk_clip_threshold=tau, layout=GQALayout(H, H, HD, query_norm=q, key_norm=k, **base))
     for layer in params:
       for norm, ref in (("q_norm", "_query_norm"), ("k_norm", "_key_norm")):
-        np.testing.assert_array_equal(got[layer]["attn"][norm][gain], want[layer]["attn"][ref]["scale"])
-        np.testing.assert_array_equal(got[layer]["attn"][norm]["bias"], want[layer]["attn"][ref]["bias"])
+        assert_same_math(got[layer]["attn"][norm][gain], want[layer]["attn"][ref]["scale"])
+        assert_same_math(got[layer]["attn"][norm]["bias"], want[layer]["attn"][ref]["bias"])
   with pytest.raises(ValueError, match=r"the layout names the query norm 'q_norm/scale', but .* holds no gain"):
     qk_clip(tunix, ml, qk_clip_threshold=tau,
             layout=GQALayout(H, H, HD, query_norm="q_norm/scale", key_norm="k_norm/scale", **base))

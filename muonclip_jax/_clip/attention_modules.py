@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .layouts import GQALayout, layout_for, matching_patterns, MLALayout
-from .._util import keystr, strip_value
+from .._util import path_str
 from .kernel_forms import missing_projections
 
 Layout = MLALayout | GQALayout
@@ -26,7 +26,7 @@ def leaves_by_module(flat: list) -> dict[str, dict[str, int]]:
   """
   found: dict[str, dict[str, int]] = {}
   for i, (path, _) in enumerate(flat):
-    parts = keystr(strip_value(path)).split("/")  # a flat dict's dotted or tuple key: its components
+    parts = path_str(path).split("/")  # a flat dict's dotted or tuple key: its components
     for cut in range(len(parts) - 1):
       found.setdefault("/".join(parts[:cut]), {})["/".join(parts[cut:])] = i
   return found

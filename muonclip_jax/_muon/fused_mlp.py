@@ -28,9 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-
-from .._util import leaf_shape, is_box, MatrixAxes, path_str
+from .._util import MatrixAxes, skeleton
 
 NAME = "gate_up_proj"
 DOWN = "down_proj"
@@ -39,7 +37,7 @@ DOWN = "down_proj"
 def fused_gate_up(tree: Any):
   """``(path, shape, axes) -> axes``: ``axes`` with the gate|up cut for a fused projection whose
   ``axes`` declare no ``fused`` (module docstring); every other leaf's ``axes`` as given."""
-  shapes = {path_str(p): leaf_shape(x) for p, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]}
+  shapes = dict(skeleton(tree))
 
   def rule(path: str, shape: tuple[int, ...], axes: MatrixAxes) -> MatrixAxes:
     parts = path.split("/")

@@ -27,6 +27,7 @@ multiplication by 1, so it rounds as the unscaled formula does.
 
 from __future__ import annotations
 
+import collections
 import math
 import numbers
 from collections.abc import Sequence
@@ -339,7 +340,7 @@ def scale_by_muon(
   def init_fn(params):
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     paths = [path_str(path) for path, _ in flat]
-    twice = sorted({p for p in paths if paths.count(p) > 1})
+    twice = sorted(p for p, count in collections.Counter(paths).items() if count > 1)
     if twice:
       raise ValueError(f"scale_by_muon: two parameters have the path {twice[0]!r} (a flat key such as 'a.b' beside "
                        "a nested a/b: the same components): rename one, or nest the flat keys")
@@ -356,8 +357,7 @@ def scale_by_muon(
     memo.remember(params, table)
     mu = optax.tree.zeros_like(params, dtype=mu_dtype)
     # mu_scale is never boxed: a box's logical names are the parameter's, not a per-matrix scale's
-    scales = [jnp.ones(scale_shape(table[path_str(p)], path_str(p), m.shape), scale_dtype(m.dtype))
-              for p, m in jax.tree_util.tree_flatten_with_path(mu)[0]]
+    scales = [jnp.ones(scale_shape(table[p], p, m.shape), scale_dtype(m.dtype)) for p, m in zip(paths, jax.tree.leaves(mu))]
     return ScaleByMuonState(mu=mu, mu_scale=jax.tree.unflatten(jax.tree.structure(unboxed(mu)), scales))
 
   def update_fn(updates, state, params=None):

@@ -47,7 +47,7 @@ def keystr(path: Sequence[Any]) -> str:
 
 def path_str(path: Sequence[Any]) -> str:
   """``a/b/c`` for the path of a (possibly boxed) leaf, without its trailing ``value`` components."""
-  parts = [c for key in path for c in components(key)]
+  parts = keystr(path).split("/")
   while parts and parts[-1] == "value":
     parts.pop()
   return "/".join(parts)
