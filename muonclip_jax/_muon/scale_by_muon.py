@@ -357,7 +357,8 @@ def scale_by_muon(
     memo.remember(params, table)
     mu = optax.tree.zeros_like(params, dtype=mu_dtype)
     # mu_scale is never boxed: a box's logical names are the parameter's, not a per-matrix scale's
-    scales = [jnp.ones(scale_shape(table[p], p, m.shape), scale_dtype(m.dtype)) for p, m in zip(paths, jax.tree.leaves(mu))]
+    scales = [jnp.ones(scale_shape(table[p], p, m.shape), scale_dtype(m.dtype))
+              for p, m in zip(paths, jax.tree.leaves(mu))]
     return ScaleByMuonState(mu=mu, mu_scale=jax.tree.unflatten(jax.tree.structure(unboxed(mu)), scales))
 
   def update_fn(updates, state, params=None):
