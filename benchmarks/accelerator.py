@@ -17,9 +17,10 @@ error and the run goes on. Sections:
    weight decay), whose Newton–Schulz is nearly all of its work. FLOPs are the matmuls'
    (``ns_flops``; optax: ``steps (4 m^2 n + 2 m^3)``).
 2. **The Gram iteration's precision** on a 4096x16384 matrix whose rows span three decades:
-   the library's Gram method (``m x m`` iteration in float32 with every product named
-   ``HIGHEST``: ``_orthogonalize.precision``), a bf16 ``m x m`` iteration written here for the
-   comparison, and ``standard`` bf16 (at the backend's one-pass rate). Time, and the response
+   the library's Gram method at the backend's policy (``_orthogonalize.precision``; on a GPU
+   float16 operands, restarted before step 2) and at ``precision="highest"`` (``m x m``
+   iteration in float32, every product ``HIGHEST``), a bf16 ``m x m`` iteration written here for
+   the comparison, and ``standard`` at the backend's policy. Time, and the response
    ``d_i = u_i^T O v_i`` of the output along each input singular pair (1 for an exact polar
    factor) over singular values above 3e-3 of the Frobenius norm.
    **2b. The update's band** on this backend: ``mc.muon``'s update of a condition-1e6 and a
@@ -258,12 +259,14 @@ def section_gram_precision(rep: Report, sz: Sizes) -> None:
           "float32 at the highest precision on the same (bf16-rounded) input.")
   g = jax.random.normal(jax.random.key(1), shape, jnp.float32)
   x = (g * jnp.logspace(0, -3, shape[0])[:, None]).astype(jnp.bfloat16)
-  ns = lambda method: (lambda x: mc.newton_schulz(x, steps=None, coeffs="polar_express_4", method=method))
+  ns = lambda method, precision=None: (lambda x: mc.newton_schulz(x, steps=None, coeffs="polar_express_4",
+                                                                  method=method, precision=precision))
   variants = {
-      "gram, m x m in float32, products HIGHEST (the library's)": (ns("gram"), None),
+      "gram, the backend's policy (GPU: float16 operands, a restart)": (ns("gram"), None),
       "gram, the same under jax_default_matmul_precision=bfloat16 (no effect)": (ns("gram"), "bfloat16"),
+      "gram, precision=\"highest\" (m x m in float32, HIGHEST)": (ns("gram", "highest"), None),
       "gram, m x m in bf16 (written here)": (gram_bf16, None),
-      "standard, bf16": (ns("standard"), None),
+      "standard, the backend's policy": (ns("standard"), None),
   }
   fns, outs = {}, {}
   for key, (f, precision) in variants.items():
@@ -274,7 +277,7 @@ def section_gram_precision(rep: Report, sz: Sizes) -> None:
     outs[key] = compiled(x)
   times = run_alternating(fns, sz.repeats)
   with jax.default_matmul_precision("highest"):  # the same polynomial on the same input, in float32
-    ref = jax.jit(ns("standard"))(x.astype(jnp.float32))
+    ref = jax.jit(ns("standard", "highest"))(x.astype(jnp.float32))
   rows = []
   for key, ts in times.items():
     lo, hi, rms, count = responses(x, outs[key])

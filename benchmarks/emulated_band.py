@@ -2,6 +2,7 @@
 
   python benchmarks/emulated_band.py            # every shape (~40 s on 2 cores)
   python benchmarks/emulated_band.py --quick    # wide and square only
+  python benchmarks/emulated_band.py --flops    # the GPU policy's matmul FLOPs against optax's
 
 For each emulated backend (``tests/_emulated_backend.py``: float32 dots that name no
 precision get bf16 operands on "tpu", TF32 on "gpu", exact float32 on "cpu"), each
@@ -14,6 +15,12 @@ singular value (ideally <= 1.2; flagged above 1.205) and the smallest and larges
 ``u_i^T X v_i`` along the input's singular pairs with ``s_i >= 3e-3 ||G||_F`` (required:
 within [0.70, 1.25]). Nothing is asserted; prints a summary (worst case per backend, method
 and dtype) and the full Markdown table.
+
+``--flops`` prints instead the GPU policy's matmul FLOPs, traced (no arrays) on the issue's
+shapes (4096x16384, 4096x4096, a 64x2048x7168 expert stack) as if on a GPU, against
+``optax.contrib.muon``'s with its defaults: a product with a float32 operand counted twice (the
+TF32 rate is half the 16-bit one; ``_emulated_backend.weighted_flops``), with the operand dtypes
+and the batch sizes of the products (one batched call for the stack).
 """
 
 from __future__ import annotations
@@ -53,10 +60,36 @@ def _update_fn(method: str, compute_dtype):
   return opt, update
 
 
+FLOP_SHAPES = {"4096x16384": (4096, 16384), "4096x4096": (4096, 4096), "64 experts of 2048x7168": (64, 2048, 7168)}
+
+
+def flops() -> None:
+  """The ``--flops`` table (module docstring)."""
+  from optax import contrib
+  print(f"JAX {jax.__version__}; matmul FLOPs of one update traced as if on a GPU, a product with a float32 "
+        "operand counted twice\n")
+  print("| matrices | compute dtype | ours (GFLOP, weighted) | operands | batch | optax.contrib.muon | ratio |")
+  print("|---|---|---|---|---|---|---|")
+  for name, shape in FLOP_SHAPES.items():
+    g = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
+    stack = len(shape) == 3
+    theirs_opt = contrib.muon(1.0, muon_weight_dimension_numbers={"w": contrib.MuonDimensionNumbers((1,), (2,))}
+                              if stack else None)
+    theirs, _, _ = eb.weighted_flops(lambda t: theirs_opt.update(t, theirs_opt.init(t), t), g)
+    for cd_name, cd in DTYPES:
+      opt = mc.muon(1.0, compute_dtype=cd, matrix_axes=mc.MatrixAxes((-2,), (-1,)))
+      ours, dtypes, batches = eb.weighted_flops(lambda t: opt.update(t, opt.init(t), t), g)
+      print(f"| {name} | {cd_name} | {ours / 1e9:.0f} | {', '.join(sorted(str(d) for d in dtypes))} "
+            f"| {', '.join(map(str, sorted(batches)))} | {theirs / 1e9:.0f} | {ours / theirs:.3f} |")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="wide and square shapes only")
+  parser.add_argument("--flops", action="store_true", help="the GPU policy's weighted matmul FLOPs instead")
   args = parser.parse_args()
+  if args.flops:
+    return flops()
   shapes = {k: v for k, v in eb.SHAPES.items() if not args.quick or k in ("wide", "square")}
   grads = {f"{kind}/{name}": jnp.asarray(eb.make_input(kind, shape))
            for name, shape in shapes.items() for kind in eb.INPUT_KINDS}

@@ -388,3 +388,34 @@ def make_input(kind: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
   mats = [_one_input(kind, m, n, rng) for _ in range(int(np.prod(batch)) if batch else 1)]
   out = np.stack([a / np.linalg.norm(a) for a in mats]).reshape(shape)
   return out.astype(np.float32)
+
+
+def products(jaxpr: Any, times: int = 1) -> list[tuple[tuple[np.dtype, np.dtype], int, int]]:
+  """``[(operand dtypes, FLOPs, batch size)]`` of every ``dot_general`` a run of ``jaxpr`` executes:
+  scans' bodies counted ``length`` times, each branch of a ``cond``/``switch`` once (an upper
+  bound); a ``while`` loop (unknown trip count) is refused."""
+  out = []
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "dot_general":
+      (lc, _), (lb, _) = eqn.params["dimension_numbers"]
+      a, b = (v.aval for v in eqn.invars)
+      contract = int(np.prod([a.shape[d] for d in lc]))
+      out.append(((a.dtype, b.dtype), times * 2 * contract * int(np.prod(eqn.outvars[0].aval.shape)),
+                  int(np.prod([a.shape[d] for d in lb]))))
+      continue
+    if name == "while":
+      raise ValueError("products: a while loop, whose trip count the jaxpr does not say")
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      out += products(sub, times * (eqn.params["length"] if name == "scan" else 1))
+  return out
+
+
+def weighted_flops(fn: Any, *args: Any, backend: str = "gpu") -> tuple[int, set, set]:
+  """``fn(*args)``'s matmul FLOPs traced as if on ``backend`` (arguments may be
+  ``jax.ShapeDtypeStruct``s), a product with a float32 operand counted twice (on a GPU it runs at
+  the TF32 rate, half the 16-bit one); and the operand dtypes and batch sizes of its products."""
+  with emulate(backend):
+    dots = products(jax.make_jaxpr(fn)(*args).jaxpr)
+  return (sum(f * (2 if np.dtype(np.float32) in dts else 1) for dts, f, _ in dots),
+          {d for dts, _, _ in dots for d in dts}, {b for _, _, b in dots})

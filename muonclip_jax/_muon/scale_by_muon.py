@@ -185,10 +185,11 @@ def scale_by_muon(
     ns_restarts: Gram restarts, static step indices (see ``newton_schulz``).
     ns_precision: static; the precision policy of Newton–Schulz's products (``newton_schulz``'s
       ``precision``): None (default) for the backend's, read when the update is traced: on
-      the CPU every product exact float32; on GPUs and TPUs ``ns_method="auto"`` runs the
-      standard iteration at the backend's one-pass rate (TF32, bfloat16), where it holds its
-      band, and a Gram iteration keeps exact float32 products. ``"highest"`` or ``"default"``
-      picks one of the two policies on any backend (docs/training.md, "Precision").
+      the CPU every product exact float32; on GPUs every product on float16 operands with
+      float32 accumulation, the Gram iteration restarted once; on TPUs ``ns_method="auto"``
+      runs the standard iteration at the one-pass bfloat16 rate, where it holds its band, and
+      a Gram iteration keeps exact float32 products. ``"highest"``, ``"float16"`` or
+      ``"default"`` picks one of the policies on any backend (docs/training.md, "Precision").
     ns_batch: a static int >= 1: same-shaped matrices (tall ones transposed) go, in leaf
       order, into batched Newton–Schulz calls of at most ``ns_batch``, with no stacking loop
       (a stacked leaf with more goes through ``lax.map`` in slices of ``ns_batch``). ``None``

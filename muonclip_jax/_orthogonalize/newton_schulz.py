@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .precision import products, uses_gram
+from .precision import FLOAT16, iterate_scale, matmul, products, restarts as policy_restarts, uses_gram
 from .presets import GRAM_ASPECT, gram_restarts, resolve_coeffs, resolve_options, resolve_steps
 
 
@@ -82,7 +82,8 @@ def newton_schulz(
       ``m x n`` products run in ``compute_dtype`` (accumulating in float32); the ``m x m``
       iteration runs in float32 (or wider), and in a low-precision dtype the final
       ``Q X_0`` splits ``Q`` into a high and a low part (two products) so that ``Q``'s
-      growth does not amplify its rounding.
+      growth does not amplify its rounding. (The ``"float16"`` policy, ``precision``, rounds
+      every operand to float16 whatever the dtype.)
     method: ``"standard"``, ``"gram"`` (see the module docstring; same polynomial,
       different rounding) or ``"auto"`` (``"gram"`` when the longer side is at least
       ``GRAM_ASPECT`` = 2 times the shorter, where ``ns_flops`` counts fewer FLOPs for it
@@ -94,15 +95,18 @@ def newton_schulz(
       for the preset's choice (``"schatten4"`` for ``"polar_express_4"``, else Frobenius).
     restarts: ``"gram"`` only: step indices (in ``[1, steps - 1]``) before which the Gram
       matrix is re-formed from the current iterate. Empty: the preset's own (``"deepseek_v4"``
-      restarts before step 5; the others need none). Not needed in float32 (tested up to
-      condition number 1e6) nor in bfloat16 (see ``compute_dtype``).
+      restarts before step 5; the others need none, except under the ``"float16"`` policy,
+      which restarts before step 2). Not needed in float32 (tested up to condition number 1e6)
+      nor in bfloat16 (see ``compute_dtype``).
     precision: the precision policy of the products (``_orthogonalize.precision``): None (the
       default) for the backend's, read from ``jax.default_backend()`` when traced: on the CPU
-      ``"highest"`` (every product exact float32, ``"auto"`` as above); on GPUs and TPUs
-      ``"default"`` (``"auto"`` runs ``"standard"``, whose products run at the backend's
-      one-pass rate, TF32 or bfloat16, and hold the band there; a ``"gram"`` iteration keeps
-      exact float32 products, since narrow operands leave its band). No product depends on
-      ``jax_default_matmul_precision``.
+      ``"highest"`` (every product exact float32, ``"auto"`` as above); on GPUs
+      ``"float16"`` (``"auto"`` as above; every product on float16 operands, the iterate
+      scaled by a power of two into float16's range, accumulated in float32; a Gram iteration
+      restarts before step 2 unless ``restarts`` says otherwise); on TPUs ``"default"``
+      (``"auto"`` runs ``"standard"``, whose products run at the one-pass bfloat16 rate and
+      hold the band there; a ``"gram"`` iteration keeps exact float32 products, since 8-bit
+      mantissas leave its band). No product depends on ``jax_default_matmul_precision``.
 
   Returns:
     An array of the shape and dtype of ``x`` (empty for a zero-size ``x``, such as a
@@ -163,7 +167,7 @@ def newton_schulz(
     X = (y / (norm + floor)).astype(dtype)
   if gram:
     X = _gram_iterate(X, table, steps, normalize == "schatten4", norm_scale, eps,
-                      gram_restarts(coeffs, steps, restarts), tall, prec)
+                      policy_restarts(gram_restarts(coeffs, steps, restarts), steps, prec), tall, prec)
   else:
     X = _iterate(X, table, steps, normalize == "schatten4", norm_scale, eps, tall, prec)
   return X.astype(x.dtype)
@@ -207,7 +211,7 @@ def ns_flops(shape: tuple[int, ...], *, steps: int | None = 5, coeffs: Any = "mu
   if not gram:
     total = steps * (sym * mmn + sym * mmm + mmn)
   else:
-    restarts = gram_restarts(coeffs, steps, restarts)
+    restarts = policy_restarts(gram_restarts(coeffs, steps, restarts), steps, products(precision, gram))
     total = sym * mmn + mmn + len(restarts) * (mmn + sym * mmn)
     bounds = (0,) + restarts + (steps,)
     for lo, hi in zip(bounds[:-1], bounds[1:]):
@@ -227,29 +231,33 @@ def _mT(x: jax.Array) -> jax.Array:
 SYMMETRIC_MIN = 512
 
 
-def _sym_product(P: jax.Array, Q: jax.Array, dtype: Any = None, prec: Any = None) -> jax.Array:
-  """``P @ Q`` for a product known to be symmetric (square, ``m x m``), at precision ``prec``."""
+def _sym_product(P: jax.Array, Q: jax.Array, dtype: Any = None, prec: Any = None,
+                 scales: tuple[float, float] = (1.0, 1.0)) -> jax.Array:
+  """``P @ Q`` for a product known to be symmetric (square, ``m x m``), at precision ``prec``
+  (``precision.matmul``; ``scales``: its float16 operand scales)."""
   m = P.shape[-2]
   if m < SYMMETRIC_MIN or m % 2:
-    return jnp.matmul(P, Q, preferred_element_type=dtype, precision=prec)
+    return matmul(P, Q, prec, dtype, scales)
   h = m // 2
-  top = jnp.matmul(P[..., :h, :], Q, preferred_element_type=dtype, precision=prec)  # [C11 C12]
-  c22 = jnp.matmul(P[..., h:, :], Q[..., :, h:], preferred_element_type=dtype, precision=prec)
+  top = matmul(P[..., :h, :], Q, prec, dtype, scales)  # [C11 C12]
+  c22 = matmul(P[..., h:, :], Q[..., :, h:], prec, dtype, scales)
   return jnp.concatenate([top, jnp.concatenate([_mT(top[..., :, h:]), c22], axis=-1)], axis=-2)
 
 
 def gram_of(X: jax.Array, tall: bool, dtype: Any = None, prec: Any = None) -> jax.Array:
   """The smaller Gram matrix: ``X X^T`` of a wide ``X``, ``X^T X`` of a tall one."""
+  c = iterate_scale(X, prec)
   if tall:
-    return _sym_product(_mT(X), X, dtype, prec)
-  return _sym_product(X, _mT(X), dtype, prec)
+    return _sym_product(_mT(X), X, dtype, prec, (c, c))
+  return _sym_product(X, _mT(X), dtype, prec, (c, c))
 
 
 def _left(P: jax.Array, X: jax.Array, tall: bool, dtype: Any = None, prec: Any = None) -> jax.Array:
   """``P`` applied on the short side: ``P X`` (wide), ``X P^T`` (tall; the transpose of ``P X^T``)."""
+  c = iterate_scale(X, prec)
   if tall:
-    return jnp.matmul(X, _mT(P), preferred_element_type=dtype, precision=prec)
-  return jnp.matmul(P, X, preferred_element_type=dtype, precision=prec)
+    return matmul(X, _mT(P), prec, dtype, (c, 1.0))
+  return matmul(P, X, prec, dtype, (1.0, c))
 
 
 def schatten4_scale(A: jax.Array, norm_scale: float, eps: float) -> jax.Array:
@@ -287,8 +295,9 @@ def _iterate(X: jax.Array, table: np.ndarray, steps: Any, schatten4: bool, norm_
 
 
 def apply_factor(Q: jax.Array, X0: jax.Array, tall: bool, prec: Any = None) -> jax.Array:
-  """``Q X0`` (or ``X0 Q^T``) for a float32 ``Q``: in X0's dtype, split in two if narrower."""
-  if jnp.dtype(X0.dtype).itemsize >= jnp.dtype(Q.dtype).itemsize:
+  """``Q X0`` (or ``X0 Q^T``) for a float32 ``Q``: in X0's dtype, split in two if narrower
+  (one product with float16 operands under the ``"float16"`` policy: ``precision``)."""
+  if prec == FLOAT16 or jnp.dtype(X0.dtype).itemsize >= jnp.dtype(Q.dtype).itemsize:
     return _left(Q.astype(X0.dtype), X0, tall, None, prec)
   hi = Q.astype(X0.dtype)
   lo = (Q - hi.astype(Q.dtype)).astype(X0.dtype)
@@ -321,9 +330,9 @@ def _gram_iterate(X0: jax.Array, table: np.ndarray, steps: Any, schatten4: bool,
         inv, Q = None, None
         R = gram_of(X0, tall, wdtype, prec)
       H = h_of(R, table_w[min(k, last)])
-      Q = H if Q is None else jnp.matmul(H, Q, precision=prec)
+      Q = H if Q is None else matmul(H, Q, prec)
       if k + 1 < steps and k + 1 not in restarts:
-        R = _sym_product(H, jnp.matmul(R, H, precision=prec), None, prec)
+        R = _sym_product(H, matmul(R, H, prec), None, prec)
     return apply_factor(Q if inv is None else Q * inv, X0, tall, prec).astype(X0.dtype)
 
   # Traced step count (inject_hyperparams): a generic loop from Q = I.
@@ -339,7 +348,7 @@ def _gram_iterate(X0: jax.Array, table: np.ndarray, steps: Any, schatten4: bool,
         return X, eye, gram_of(X, tall, wdtype, prec)
       X, Q, R = jax.lax.cond(jnp.any(i == restart_arr), restart, lambda c: c, (X, Q, R))
     H = h_of(R, table_w[jnp.minimum(i, last)])
-    return X, jnp.matmul(H, Q, precision=prec), _sym_product(H, jnp.matmul(R, H, precision=prec), None, prec)
+    return X, matmul(H, Q, prec), _sym_product(H, matmul(R, H, prec), None, prec)
 
   X, Q, _ = jax.lax.fori_loop(0, steps, body, (X0, Q0, G))
   return apply_factor(Q, X, tall, prec).astype(X0.dtype)

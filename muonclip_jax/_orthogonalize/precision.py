@@ -9,36 +9,58 @@ user sets it. The two iterations react differently to narrow operands:
   rounding its operands perturbs each step by about the operands' unit roundoff, and the
   iteration's contraction towards 1 absorbs it: the band holds at one bfloat16 pass.
 * ``"gram"`` iterates on ``G = X X^T``, which squares the input's condition number, and
-  multiplies ``Q_k`` whose entries grow as ``1 / s_min``: narrow operands there leave the band
-  (emulated TPU default: largest singular value up to 23 on condition-1e6 inputs).
+  multiplies ``Q_k`` whose entries grow as ``1 / s_min``: 8-bit mantissas there leave the band
+  (emulated TPU default: largest singular value up to 23 on condition-1e6 inputs). With 11-bit
+  float16 operands it holds if the iteration restarts once, before step 2 (``X_0 <- Q_2 X_0``
+  and ``G`` from it), which resets the factor before its rounding has grown: the Dao AI Lab's
+  Gram Newton–Schulz runs its ``m x m`` iteration this way on GPUs.
 
 So the policy names a precision for every product (none depends on the global flag):
 
-=========  ======================================  =====================  ==========
-policy     ``method="auto"``                        standard's products    Gram's
-=========  ======================================  =====================  ==========
-highest    Gram where it saves FLOPs (aspect >= 2)  ``HIGHEST``            ``HIGHEST``
-default    standard                                 ``DEFAULT``            ``HIGHEST``
-=========  ======================================  =====================  ==========
+=========  =======================================  ===================  =====================
+policy     ``method="auto"``                         standard's products  Gram's products
+=========  =======================================  ===================  =====================
+highest    Gram where it saves FLOPs (aspect >= 2)   ``HIGHEST``          ``HIGHEST``
+float16    Gram where it saves FLOPs (aspect >= 2)   float16 operands     float16 operands,
+                                                                          restart before step 2
+default    standard                                  ``DEFAULT``          ``HIGHEST``
+=========  =======================================  ===================  =====================
 
-``precision=None`` takes ``"highest"`` on the CPU (where every float32 product is exact
-float32 anyway, so this is today's arithmetic, bit for bit) and ``"default"`` on GPUs and TPUs
-(the backend's fast one-pass rate for the standard iteration, in band; a Gram iteration asked
-for by name keeps exact float32 products). ``jax.default_backend()`` is called on the ``jax``
-module when the update is traced.
+float16 operands: every operand is rounded to float16 and the products accumulate in float32
+(``preferred_element_type``), the iterate and its elementwise work stay in the compute dtype.
+NVIDIA tensor cores multiply float16 at the bfloat16 rate, twice TF32's, with TF32's 10
+mantissa bits. The iterate ``X`` (``m x n``, entries ``~ 1 / sqrt(m n)`` at the first step) is
+multiplied by ``iterate_scale``, a power of two, before it is rounded, so that it lies in
+float16's normal range; the product is divided by it again (exact). Every other operand (``X
+X^T``, the polynomial, ``Q``) has entries of order 1 to a few hundred. A float64 product stays
+float64 at ``HIGHEST``.
+
+``precision=None`` takes ``"highest"`` on the CPU (where every float32 product is exact float32
+anyway, so this is today's arithmetic, bit for bit), ``"float16"`` on GPUs and ``"default"`` on
+TPUs (whose matrix units take bfloat16, not float16: the standard iteration at the one-pass
+rate, in band; a Gram iteration asked for by name keeps exact float32 products).
+``jax.default_backend()`` is called on the ``jax`` module when the update is traced.
 """
 
 from __future__ import annotations
 
-import jax
+import math
+from typing import Any
 
-POLICIES = ("highest", "default")
+import jax
+import jax.numpy as jnp
+
+POLICIES = ("highest", "float16", "default")
+FLOAT16 = "float16"  # the products of the "float16" policy (else a ``jax.lax.Precision``)
+_BACKEND_POLICY = {"cpu": "highest", "gpu": "float16"}  # any other backend: "default"
+# float16 operands: every precision multiplies them alike; named, so that the global flag is not read
+_F16 = jax.lax.Precision.DEFAULT
 
 
 def policy(precision: str | None) -> str:
   """The policy ``precision`` names, or the backend's for None (module docstring)."""
   if precision is None:
-    return "highest" if jax.default_backend() == "cpu" else "default"
+    return _BACKEND_POLICY.get(jax.default_backend(), "default")
   if precision not in POLICIES:
     raise ValueError(f"ns_precision (newton_schulz's precision) must be None (the backend's policy) or one of "
                      f"{POLICIES}, got {precision!r}")
@@ -50,11 +72,63 @@ def uses_gram(method: str, m: int, n: int, precision: str | None, aspect: int) -
   chosen = policy(precision)  # validates it
   if method == "gram":
     return True
-  return method == "auto" and chosen == "highest" and n >= aspect * m
+  return method == "auto" and chosen != "default" and n >= aspect * m
 
 
-def products(precision: str | None, gram: bool) -> jax.lax.Precision:
-  """The ``jax.lax.Precision`` of every product of one iteration (module docstring)."""
-  if policy(precision) == "highest" or gram:
+def products(precision: str | None, gram: bool) -> Any:
+  """The products of one iteration: a ``jax.lax.Precision``, or ``FLOAT16`` (module docstring)."""
+  chosen = policy(precision)
+  if chosen == "float16":
+    return FLOAT16
+  if chosen == "highest" or gram:
     return jax.lax.Precision.HIGHEST
   return jax.lax.Precision.DEFAULT
+
+
+def restarts(given: tuple[int, ...], steps: Any, prec: Any) -> tuple[int, ...]:
+  """A Gram iteration's restarts: ``given`` (the caller's or the preset's), else one before step
+  2 for float16 products (module docstring) when there are more than 2 steps."""
+  if given or prec != FLOAT16 or (isinstance(steps, int) and steps <= 2):
+    return given
+  return (2,)
+
+
+def iterate_scale(x: Any, prec: Any) -> float:
+  """The power of two an ``m x n`` iterate is multiplied by before it is rounded to float16
+  (``prec`` is ``FLOAT16``; else 1): ``2^floor(log2 sqrt(m))``, ``m`` the shorter side, at
+  most ``2^8`` (``|X| <= 1.2`` stays far below float16's largest, 65504)."""
+  if prec != FLOAT16:
+    return 1.0
+  m = min(x.shape[-2:])
+  return 2.0 ** min(8, int(math.log2(max(m, 1))) // 2)
+
+
+def matmul(p: jax.Array, q: jax.Array, prec: Any, dtype: Any = None, scales: tuple[float, float] = (1.0, 1.0)
+           ) -> jax.Array:
+  """``p @ q`` at ``prec``, the result in ``dtype`` (None: the operands' promoted dtype).
+
+  For ``FLOAT16``, ``p * scales[0]`` and ``q * scales[1]`` (powers of two) are rounded to
+  float16, multiplied with float32 accumulation and divided by the scales again; float64
+  operands are multiplied at ``HIGHEST`` instead."""
+  out = dtype if dtype is not None else jnp.result_type(p, q)
+  if prec != FLOAT16:
+    return jnp.matmul(p, q, preferred_element_type=dtype, precision=prec)
+  if jnp.dtype(out) == jnp.float64 or jnp.result_type(p, q) == jnp.float64:
+    return jnp.matmul(p, q, preferred_element_type=dtype, precision=jax.lax.Precision.HIGHEST)
+  p16, q16 = (_to_float16(v, s) for v, s in zip((p, q), scales))
+  r = jnp.matmul(p16, q16, preferred_element_type=jnp.float32, precision=_F16)
+  s = scales[0] * scales[1]
+  return (r if s == 1.0 else r * (1.0 / s)).astype(out)
+
+
+def einsum(spec: str, p: jax.Array, q: jax.Array, prec: Any) -> jax.Array:
+  """``jnp.einsum(spec, p, q)`` at ``prec`` (``matmul``'s rules, without scales)."""
+  if prec != FLOAT16 or jnp.result_type(p, q) == jnp.float64:
+    return jnp.einsum(spec, p, q, precision=jax.lax.Precision.HIGHEST if prec == FLOAT16 else prec)
+  r = jnp.einsum(spec, p.astype(jnp.float16), q.astype(jnp.float16), preferred_element_type=jnp.float32,
+                 precision=_F16)
+  return r.astype(jnp.result_type(p, q))
+
+
+def _to_float16(v: jax.Array, scale: float) -> jax.Array:
+  return (v if scale == 1.0 else v * jnp.asarray(scale, v.dtype)).astype(jnp.float16)

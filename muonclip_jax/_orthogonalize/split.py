@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .newton_schulz import SYMMETRIC_MIN, apply_factor, divide_by_max, gram_of, schatten4_scale
-from .precision import products, uses_gram
+from .precision import einsum, iterate_scale, matmul, products, restarts as policy_restarts, uses_gram
 from .presets import GRAM_ASPECT, gram_restarts, resolve_coeffs, resolve_options, resolve_steps
 
 
@@ -49,11 +49,12 @@ def resolve(ns_kwargs: dict, m: int, n: int) -> dict | None:
   normalize, restarts = resolve_options(coeffs, steps, method, ns_kwargs.get("normalize"),
                                             ns_kwargs.get("restarts", ()))
   gram = uses_gram(method, m, n, ns_kwargs.get("precision"), GRAM_ASPECT)
-  if restarts or (gram and gram_restarts(coeffs, steps, restarts)):
+  prec = products(ns_kwargs.get("precision"), gram)
+  if restarts or (gram and policy_restarts(gram_restarts(coeffs, steps, restarts), steps, prec)):
     return None
   return dict(steps=steps, table=table, norm_scale=norm_scale, schatten4=normalize == "schatten4", gram=gram,
               eps=ns_kwargs.get("eps", 1e-7), compute_dtype=ns_kwargs.get("compute_dtype"),
-              prec=products(ns_kwargs.get("precision"), gram))
+              prec=prec)
 
 
 def _half(g: int) -> int:
@@ -100,7 +101,7 @@ def _sym_full(rows: jax.Array, right: jax.Array, p: jax.Array, g: int, axes: tup
   q, r, m = rows.shape
   h = _half(g)
   cols = jnp.take(right.reshape(q, m, g, r), (p + jnp.arange(h)) % g, axis=2)  # (q, m, h, r)
-  mine = jnp.einsum("qrm,qmjc->qjrc", rows, cols, precision=prec)  # (q, h, r, r): blocks (p, p + j)
+  mine = einsum("qrm,qmjc->qjrc", rows, cols, prec)  # (q, h, r, r): blocks (p, p + j)
   every = jax.lax.all_gather(mine, axes, axis=1).reshape(q, g * h, r, r)
   pool = jnp.concatenate([every, jnp.swapaxes(every, -1, -2)], axis=1)
   idx = np.full((g, g), -1)
@@ -148,7 +149,7 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
       if k:
         A = gram_f(X, jnp.float32)
       B = (b * A + c * _sym_full(_rows(A, p, r), A, p, g, axes, prec)).astype(dtype)
-      X = a * X + jnp.matmul(B, X, precision=prec)
+      X = a * X + matmul(B, X, prec, scales=(1.0, iterate_scale(X, prec)))
     return X.astype(x.dtype)
   R = A.astype(wdtype)
   eye = jnp.broadcast_to(jnp.eye(m, dtype=wdtype), R.shape)
@@ -157,8 +158,8 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
     a, b, c = (float(v) for v in table[min(k, last)])
     R_rows = _rows(R, p, r)
     H = a * eye + b * R + c * _sym_full(R_rows, R, p, g, axes, prec)
-    Q_rows = _rows(H, p, r) if Q_rows is None else jnp.matmul(Q_rows, H, precision=prec)
+    Q_rows = _rows(H, p, r) if Q_rows is None else matmul(Q_rows, H, prec)
     if k + 1 < K:
-      R = _sym_full(jnp.matmul(R_rows, H, precision=prec), H, p, g, axes, prec)  # R H H = H R H
+      R = _sym_full(matmul(R_rows, H, prec), H, p, g, axes, prec)  # R H H = H R H
   Q = jax.lax.all_gather(Q_rows, axes, axis=1, tiled=True)
   return apply_factor(Q, X, False, prec).astype(x.dtype)
