@@ -54,6 +54,18 @@ def test_the_public_names_are_found():
 _SETUP = {"muonclip_jax.nn.capture_gemma": import_gemma}
 
 
+def _tunix():
+  """Tunix is installed for the Python 3.12 suite only (tests/test_tunix_package.py); there it must import."""
+  import sys
+  if sys.version_info < (3, 12):
+    pytest.importorskip("tunix", reason="Tunix is installed for the Python 3.12 suite only")
+  import tunix  # noqa: F401
+
+
+_SETUP.update(dict.fromkeys(
+    ["muonclip_jax.nn.capture_tunix", "muonclip_jax.nn.tunix_layout", "muonclip_jax.nn.capture_tunix_trainer"], _tunix))
+
+
 @pytest.mark.parametrize("name", sorted(PUBLIC))
 def test_example_runs(name):
   obj = PUBLIC[name]

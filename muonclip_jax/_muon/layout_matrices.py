@@ -27,7 +27,7 @@ import optax
 from .._clip import (as_projection, attention_modules, axes_from_logical, check_layout, check_orientation,
                      DECLARED, DENSE_GENERAL, detect, fits_declared, Found, GQALayout, HEAD_MAJOR, held_raw,
                      leaves_by_module, linear_leaf, MLALayout, names_under, Projection, storage_axes)
-from .._util import join, MatrixAxes, MatrixAxesSpec, names_by_path, path_str
+from .._util import decided_leaves, join, MatrixAxes, MatrixAxesSpec, names_by_path, path_str
 from .blocks import Blocks, blocks_for, matrix_blocks, parse_mode
 from .fused_mlp import fused_gate_up
 from .matrix_axes_rules import matrix_axes_lookup
@@ -216,7 +216,8 @@ def muon_blocks_lookup(matrix_axes: MatrixAxesSpec, layout: Any, mode: str, tree
   then the layout, then one ``MatrixAxes`` given for all leaves, logical names, the 2-D
   default (``matrix_axes_lookup``, which ``rms_match`` is handed to).
   """
-  spec = matrix_axes(tree) if callable(matrix_axes) and not isinstance(matrix_axes, MatrixAxes) else matrix_axes
+  spec = (matrix_axes(decided_leaves(tree)) if callable(matrix_axes) and not isinstance(matrix_axes, MatrixAxes)
+          else matrix_axes)
   lookup_axes = matrix_axes_lookup(spec, tree, rms_match=rms_match)
   gate_up = fused_gate_up(tree)
 

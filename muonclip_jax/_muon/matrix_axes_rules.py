@@ -14,8 +14,8 @@ from typing import Any
 import jax
 import optax
 
-from .._util import (EXPERT_NAMES, HEAD_AXIS_NAMES, is_box, LAYER_NAMES, leaf_shape, logical_names, MatrixAxes,
-                     MatrixAxesSpec, names_by_path, path_str, STACK_NAMES)
+from .._util import (decided_leaves, EXPERT_NAMES, HEAD_AXIS_NAMES, is_box, LAYER_NAMES, leaf_shape, logical_names,
+                     MatrixAxes, MatrixAxesSpec, names_by_path, path_str, STACK_NAMES)
 from .._clip import declared_matrix_axes, storage_axes
 from .labels import router_batch_names as batch_names
 
@@ -247,7 +247,7 @@ def matrix_axes_lookup(spec: MatrixAxesSpec, tree: Any, *,
     the experts of ``("exp", "embed", "mlp")`` into one matrix.
   """
   if callable(spec) and not isinstance(spec, MatrixAxes):
-    spec = spec(tree)
+    spec = spec(decided_leaves(tree))
   if _is_spec_leaf(spec):
     table, single = None, as_matrix_axes(spec)
   else:

@@ -1,7 +1,7 @@
 """Shared helpers: argument checks, pytree paths, boxed metadata, frozen leaves, logical and matrix axes."""
 
-from .boxes import (accept_bare_updates, has_boxes, is_box, leaf_shape, logical_names, MetadataMemo, names_by_path,
-                    skeleton)
+from .boxes import (accept_bare_updates, decided_leaves, has_boxes, is_box, leaf_shape, logical_names, MetadataMemo,
+                    names_by_path, skeleton)
 from .checks import check_bool, check_number, check_positive_int
 from .frozen_leaves import skip_frozen_leaves
 from .logical_axes import EXPERT_NAMES, HEAD_AXIS_NAMES, LAYER_NAMES, LOGICAL_AXES, STACK_NAMES, VOCAB
@@ -10,8 +10,8 @@ from .paths import join, key_name, keystr, path_str, strip_value
 from .sequence import after
 
 __all__ = [
-    "accept_bare_updates", "after", "check_bool", "check_number", "check_positive_int", "EXPERT_NAMES",
-    "from_matrices", "has_boxes",
+    "accept_bare_updates", "after", "check_bool", "check_number", "check_positive_int", "decided_leaves",
+    "EXPERT_NAMES", "from_matrices", "has_boxes",
     "HEAD_AXIS_NAMES", "is_box", "join", "key_name", "keystr", "LAYER_NAMES", "leaf_shape", "LOGICAL_AXES",
     "logical_names", "MatrixAxes", "MatrixAxesSpec", "MetadataMemo", "names_by_path", "path_str",
     "skeleton", "skip_frozen_leaves", "STACK_NAMES", "strip_value", "to_matrices", "VOCAB",

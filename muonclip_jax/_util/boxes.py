@@ -14,9 +14,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 from flax.core import meta as flax_meta
 
+from .logical_axes import mesh_axis_names
 from .paths import path_str
 
 
@@ -37,6 +39,10 @@ def logical_names(leaf: Any) -> tuple | None:
   A spec shorter than the leaf's rank is padded with ``None`` at the end, as Flax pads it
   (``PartitionSpec(*names)`` leaves the trailing axes unsharded): ``nnx.with_partitioning(init,
   (None, "model"))`` on a ``(64, 4, 16)`` kernel names it ``(None, "model", None)``.
+
+  Names that are mesh axis names, not logical ones (``logical_axes.mesh_axis_names``: Tunix
+  puts ``("fsdp", "tp")`` in its ``nnx.Param`` metadata), say nothing about the matrix and
+  read as ``None``; a spec of mesh axis names only is no names at all (None).
   """
   names = None
   if isinstance(leaf, flax_meta.Partitioned):
@@ -49,6 +55,11 @@ def logical_names(leaf: Any) -> tuple | None:
         break
   if names is None:
     return None
+  mesh = mesh_axis_names()
+  if any(isinstance(n, str) and n in mesh for n in names):
+    names = tuple(None if isinstance(n, str) and n in mesh else n for n in names)
+    if all(n is None for n in names):
+      return None
   rank = len(leaf_shape(leaf))
   return names + (None,) * (rank - len(names)) if len(names) < rank else names
 
@@ -61,6 +72,17 @@ def names_by_path(tree: Any) -> dict[str, tuple]:
     if names is not None:
       table[path_str(p)] = names
   return table
+
+
+def decided_leaves(tree: Any) -> Any:
+  """``tree`` as a ``matrix_axes`` callable is given it: the leaves another
+  transform holds (``optax.MaskedNode``, as ``optax.partition``/``optax.masked`` leave them, or
+  a box around one, as they leave an ``nnx.Param``) are None, so a function of the leaves
+  (``x.ndim``, ``x.shape``) sees only arrays or boxes around arrays."""
+  def masked(x):
+    return isinstance(x, optax.MaskedNode) or (is_box(x) and not jax.tree.leaves(x))
+  return jax.tree.map(lambda x: None if masked(x) else x, tree,
+                      is_leaf=lambda x: isinstance(x, optax.MaskedNode) or is_box(x))
 
 
 def has_boxes(tree: Any) -> bool:

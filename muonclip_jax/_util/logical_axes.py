@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
 
 class NameSet(frozenset):
   """A set of axis names that also holds every name ending in one of its ``suffixes``.
@@ -63,3 +65,32 @@ STACK_NAMES = LAYER_NAMES | EXPERT_NAMES
 # The axes of an attention head's columns: they stay together in one matrix.
 HEAD_AXIS_NAMES = LOGICAL_AXES["heads"] | LOGICAL_AXES["head_dim"]
 VOCAB = "vocab"  # the vocabulary axis of an embedding table or output head
+
+
+# Mesh axis names that some code puts in parameter metadata where logical names belong
+# (Tunix: ``nnx.with_partitioning(init, ("fsdp", "tp"))``; a MaxText mesh: data, fsdp, tensor, ...).
+MESH_AXIS_NAMES = frozenset({
+    "dp", "fsdp", "tp", "sp", "ep",  # Tunix's ShardingConfig and the usual short forms
+    "data", "diloco", "fsdp_transpose", "sequence", "context", "context_autoregressive",  # MaxText's mesh
+    "context_usp_ulysses", "tensor", "tensor_transpose", "tensor_sequence", "autoregressive",
+})
+
+
+def is_logical(name: object) -> bool:
+  """Whether the library reads ``name`` for a role (``LOGICAL_AXES``, ``*_layers`` included)."""
+  return any(name in known for known in LOGICAL_AXES.values())
+
+
+def mesh_axis_names() -> frozenset[str]:
+  """The names that metadata may hold for a mesh's axes, not for a role: ``MESH_AXIS_NAMES`` and
+  the axis names of the mesh in context (``jax.set_mesh``, ``jax.sharding.use_abstract_mesh``),
+  less every name the library reads as a logical name (``is_logical``).
+
+  Rule: a name in parameter metadata is a mesh axis name, and says nothing about the matrix,
+  when it is one of the usual mesh axis names above or an axis of the mesh in context, and is
+  not a logical name the library knows. So MaxText's mesh axes ``stage`` and ``expert``, which
+  are also logical names here (stacked layers, experts), keep their logical reading, and so
+  does ``model`` (a fan-in name). Read at ``init`` and kept for the updates.
+  """
+  in_context = frozenset(jax.sharding.get_abstract_mesh().axis_names)
+  return frozenset(n for n in MESH_AXIS_NAMES | in_context if isinstance(n, str) and not is_logical(n))

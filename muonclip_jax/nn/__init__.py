@@ -15,7 +15,10 @@ Third-party models: ``dot_product_attention`` is a drop-in ``attention_fn`` for 
 ``nn.MultiHeadDotProductAttention``/``nnx.MultiHeadAttention``;
 ``dot_product_attention_weights`` stands in for ``flax.linen.dot_product_attention_weights``
 (Hugging Face Flax models); ``sow_max_logits`` sows maxima from logits computed by hand;
-``capture_gemma()`` makes the ``gemma`` package's own models (``gm.nn.Gemma3_*``) sow theirs;
+``capture_gemma()`` makes the ``gemma`` package's own models (``gm.nn.Gemma3_*``) sow theirs,
+``capture_tunix()`` Tunix's (Llama 3, Qwen 3 and Qwen3-MoE, Gemma, Gemma 3), with
+``tunix_layout(model)`` their layout and ``capture_tunix_trainer(trainer)`` the wiring of
+Tunix's ``PeftTrainer`` to ``muonclip``;
 ``equinox_attention(mha, query, key_, value, mask)`` runs an ``equinox.nn.MultiheadAttention``
 and returns ``(out, max_logits)``.
 
@@ -31,9 +34,12 @@ from ._deepseek import mla_from_hf_config as mla_from_hf_config
 from ._deepseek import mla_nnx_from_hf_config as mla_nnx_from_hf_config
 from .._clip import equinox_attention as equinox_attention
 from ._capture import capture_gemma as capture_gemma
+from ._capture import capture_tunix as capture_tunix
+from ._capture import capture_tunix_trainer as capture_tunix_trainer
 from ._capture import dot_product_attention as dot_product_attention
 from ._capture import dot_product_attention_weights as dot_product_attention_weights
 from ._capture import sow_max_logits as sow_max_logits
+from ._capture import tunix_layout as tunix_layout
 from ._gqa import GroupedQueryAttention as GroupedQueryAttention
 from ._mla import MultiHeadLatentAttention as MultiHeadLatentAttention
 from ._nnx import GroupedQueryAttentionNNX as GroupedQueryAttentionNNX
