@@ -3,6 +3,7 @@
   python benchmarks/emulated_band.py            # every shape (~40 s on 2 cores)
   python benchmarks/emulated_band.py --quick    # wide and square only
   python benchmarks/emulated_band.py --flops    # the GPU policy's matmul FLOPs against optax's
+  python benchmarks/emulated_band.py --large    # the GPU policy's band on 2048x8192
 
 For each emulated backend (``tests/_emulated_backend.py``: float32 dots that name no
 precision get bf16 operands on "tpu", TF32 on "gpu", exact float32 on "cpu"), each
@@ -15,6 +16,10 @@ singular value (ideally <= 1.2; flagged above 1.205) and the smallest and larges
 ``u_i^T X v_i`` along the input's singular pairs with ``s_i >= 3e-3 ||G||_F`` (required:
 within [0.70, 1.25]). Nothing is asserted; prints a summary (worst case per backend, method
 and dtype) and the full Markdown table.
+
+``--large`` measures instead the GPU policy on 2048x8192 Gaussian and condition-1e6 inputs
+(``"auto"`` and ``"gram"``, float32 and bfloat16 compute), where the first step's ``X X^T``
+has entries that float16 holds only as subnormals (``_orthogonalize/precision.py``).
 
 ``--flops`` prints instead the GPU policy's matmul FLOPs, traced (no arrays) on the issue's
 shapes (4096x16384, 4096x4096, a 64x2048x7168 expert stack) as if on a GPU, against
@@ -60,6 +65,23 @@ def _update_fn(method: str, compute_dtype):
   return opt, update
 
 
+def large() -> None:
+  """The ``--large`` table (module docstring)."""
+  print(f"JAX {jax.__version__}; emulated GPU (float16 policy), 2048x8192\n")
+  print("| input | method | compute dtype | largest singular value | min response | max response |")
+  print("|---|---|---|---|---|---|")
+  for kind in ("gaussian", "cond_1e6"):
+    g = jnp.asarray(eb.make_input(kind, (2048, 8192)))
+    svd = eb.input_svd(g)
+    for method in ("auto", "gram"):
+      for cd_name, cd in DTYPES:
+        opt, update = _update_fn(method, cd)
+        with eb.emulate("gpu"):
+          out = update(g, opt.init(g), g)
+        b = eb.band(out, g, scale=-eb.moonlight_scale(g.shape), svd=svd)
+        print(f"| {kind} | {method} | {cd_name} | {b.top:.3f} | {b.low:.3f} | {b.high:.3f} |", flush=True)
+
+
 FLOP_SHAPES = {"4096x16384": (4096, 16384), "4096x4096": (4096, 4096), "64 experts of 2048x7168": (64, 2048, 7168)}
 
 
@@ -87,9 +109,12 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="wide and square shapes only")
   parser.add_argument("--flops", action="store_true", help="the GPU policy's weighted matmul FLOPs instead")
+  parser.add_argument("--large", action="store_true", help="the GPU policy's band on 2048x8192 instead")
   args = parser.parse_args()
   if args.flops:
     return flops()
+  if args.large:
+    return large()
   shapes = {k: v for k, v in eb.SHAPES.items() if not args.quick or k in ("wide", "square")}
   grads = {f"{kind}/{name}": jnp.asarray(eb.make_input(kind, shape))
            for name, shape in shapes.items() for kind in eb.INPUT_KINDS}

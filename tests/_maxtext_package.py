@@ -1,10 +1,13 @@
 """The installed ``maxtext`` package (0.2.5): tiny decoder configs, their NNX models and a batch.
 
 MaxText needs Python >= 3.12 and JAX >= 0.11; the Python 3.12 suite installs it (Makefile).
-Only public configuration is used: ``pyconfig.initialize`` with keyword overrides of a model
-config, ``model_creation_utils.from_config`` and its pre-training ``loss_fn``.
+What the tests call of MaxText: ``pyconfig.initialize`` with keyword overrides of a model config,
+``maxtext_utils.get_mesh_from_config``, ``model_creation_utils.from_config``, the pre-training
+``loss_fn`` and ``TrainStateNNX`` (the library itself reads none of MaxText's names, only the
+logical axis names its parameters carry).
 """
 
+import contextlib
 import os
 
 import flax.linen as nn
@@ -50,21 +53,11 @@ def batch(cfg, seed: int = 0) -> dict:
               inputs_segmentation=jnp.ones((b, T), jnp.int32), targets_segmentation=jnp.ones((b, T), jnp.int32))
 
 
+@contextlib.contextmanager
 def context(cfg, mesh):
-  return _Both(jax.set_mesh(mesh), nn.logical_axis_rules(cfg.logical_axis_rules))
-
-
-class _Both:
-  def __init__(self, *cms):
-    self.cms = cms
-
-  def __enter__(self):
-    for cm in self.cms:
-      cm.__enter__()
-
-  def __exit__(self, *exc):
-    for cm in reversed(self.cms):
-      cm.__exit__(*exc)
+  """MaxText's mesh and logical axis rules, as its trainer sets them."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(cfg.logical_axis_rules):
+    yield
 
 
 def loss_and_grads(cfg):

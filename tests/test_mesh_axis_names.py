@@ -46,3 +46,22 @@ def test_mesh_names_do_not_refuse_per_expert_axes_and_no_masked_nodes():
     upd = (before["wi"][e] - np.asarray(after["wi"][e])) / (0.2 * np.sqrt(max(D, F)))
     ns = np.asarray(mc.newton_schulz(jnp.asarray(g[e]), steps=None, coeffs="polar_express_4"))
     np.testing.assert_allclose(upd, ns, atol=2e-5)
+
+
+def test_the_mesh_axis_rule_and_its_limits():
+  """Mesh axis names read as no name: the usual ones, a tuple of them (one axis sharded over two), and
+  the axes of the mesh in context; names the library reads (``expert``, ``stage``, ``model``,
+  ``vocab``, ``*_layers``) keep their logical reading even where a mesh has an axis of that name."""
+  from muonclip_jax._util import logical_names
+
+  box = lambda names, shape=(4, 8, 12): nnx.Param(jnp.zeros(shape), sharding=names, eager_sharding=False)  # noqa: E731
+  assert logical_names(box((("fsdp", "sp"), "tp", None))) is None
+  assert logical_names(box(("expert", "fsdp", "tp"))) == ("expert", None, None)
+  assert logical_names(box(("stage", "embed", "mlp"))) == ("stage", "embed", "mlp")
+  assert logical_names(box(("moe_layers", "model", "tp"))) == ("moe_layers", "model", None)
+  mesh = jax.make_mesh((2, 4), ("vocab", "replica_x"))
+  replica, vocab = box(("replica_x", "embed", "mlp")), box(("vocab", "embed"), (4, 8))
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    assert logical_names(replica) == (None, "embed", "mlp")  # an axis of the mesh in context
+    assert logical_names(vocab) == ("vocab", "embed")
+  assert logical_names(replica) == ("replica_x", "embed", "mlp")  # outside it: a name

@@ -34,7 +34,9 @@ def _axes(tree):
 @pytest.mark.parametrize("backend", ["tpu", "gpu", "cpu"])
 def test_the_update_holds_its_band_at_each_backends_default_precision(backend):
   """The default optimizer and each ns_method, float32 and bfloat16 compute: wide, tall, square and an
-  expert stack; Gaussian, low-rank plus noise and condition-1e6 gradients."""
+  expert stack; Gaussian, low-rank plus noise and condition-1e6 gradients. The Gram iteration, whose
+  factor is rounded once (to float16 on a GPU), keeps polar_express_4's [0.779, 1.200] to 0.005 even
+  with bfloat16 compute."""
   grads = _grads()
   for method in ("auto", "standard", "gram"):
     for compute in (None, jnp.bfloat16):
@@ -45,6 +47,8 @@ def test_the_update_holds_its_band_at_each_backends_default_precision(backend):
         got = band(-updates[key], g, scale=moonlight_scale(g.shape))
         where = f"{backend} {method} {compute} {key}: {got}"
         assert got.top <= 1.25 and 0.70 <= got.low and got.high <= 1.25, where
+        if method == "gram":  # its float32 m x m iteration (or float16 operands, restarted): the float32 band
+          assert got.top <= 1.205 and got.low >= 0.775, where
 
 
 def _trace(fn, args, backend, flag):
@@ -88,8 +92,9 @@ def test_the_policy_per_backend_and_its_override():
       assert ns_flops((64, 256), steps=4, method="auto") == ns_flops(
           (64, 256), steps=4, method="gram" if gram else "standard")
   # the restart is counted where it runs: float16 Gram products, more than 2 steps, none given
-  assert precision.restarts((), 4, f16) == (2,) and precision.restarts((), 2, f16) == ()
-  assert precision.restarts((3,), 4, f16) == (3,) and precision.restarts((), 4, highest) == ()
+  assert precision.restarts((), (), 4, f16) == (2,) and precision.restarts((), (), 2, f16) == ()
+  assert precision.restarts((3,), (), 4, f16) == (3,) and precision.restarts((), (), 4, highest) == ()
+  assert precision.restarts((), (5,), 10, f16) == (2, 5) and precision.restarts((), (5,), 10, highest) == (5,)
   assert ns_flops((64, 256), steps=4, method="gram", precision="float16") == ns_flops(
       (64, 256), steps=4, method="gram", precision="highest", restarts=(2,))
   x = jnp.asarray(make_input("cond_1e6", (64, 256)))
@@ -120,7 +125,7 @@ def test_without_its_restart_the_float16_gram_iteration_leaves_the_band(monkeypa
 
   assert top() <= 1.21
   ns_module = sys.modules["muonclip_jax._orthogonalize.newton_schulz"]  # the function's module
-  monkeypatch.setattr(ns_module, "policy_restarts", lambda given, steps, prec: given)
+  monkeypatch.setattr(ns_module, "policy_restarts", lambda given, own, steps, prec: given or own)
   jax.clear_caches()
   assert top() > 1.25
 

@@ -35,7 +35,6 @@ from flax import nnx
 
 import muonclip_jax as mc
 import muonclip_jax.nn as mcnn
-from _exactness import assert_same_math
 from _tunix_package import (batch, expert_matrix_axes, maxima_on_inputs_before, model_inputs, numpy_maxima,
                             params_of, tiny)
 
@@ -46,6 +45,7 @@ if sys.version_info < (3, 12):  # google-tunix 0.1.7 is tested on the Python 3.1
     pytest.skip("Tunix is installed for the Python 3.12 suite only", allow_module_level=True)
 
 from tunix.sft import peft_trainer  # noqa: E402
+from muonclip_jax.nn._capture.tunix import tunix_families  # noqa: E402  (the adapter's list of what it reads)
 
 
 @pytest.fixture(autouse=True)
@@ -158,10 +158,10 @@ def test_qwen3_moe_each_expert_is_its_own_muon_matrix():
   lr = 1e-2
   x = batch(3)
   inputs = model_inputs(x)
-  loss = lambda m: peft_trainer._default_loss_fn(m, **inputs)  # noqa: E731, SLF001 (Tunix's own loss)
+  trainer = _trainer(model, float("inf"), lr=lr, matrix_axes=expert_matrix_axes)
+  loss = lambda m: trainer.loss_fn.__wrapped__(m, **inputs)  # noqa: E731  (Tunix's own loss, before the capture)
   grads = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.grad(loss)(model)))
   before = params_of(model)
-  trainer = _trainer(model, float("inf"), lr=lr, matrix_axes=expert_matrix_axes)
   step, _ = trainer.jit_train_and_eval_step()
   step(x)
   after = params_of(model)
@@ -194,15 +194,24 @@ def test_gradient_accumulation_clips_with_every_micro_batchs_maxima(monkeypatch)
   step(last)
   state = _clip_state(trainer)
   assert int(state.count) == 1
-  np.testing.assert_allclose(float(state.min_gamma), tau / top, rtol=1e-5)  # the last micro-batch's: tau / last_top
+  # the maximum over both micro-batches (the last one's alone would give tau / last_top)
+  np.testing.assert_allclose(float(state.min_gamma), tau / top, rtol=1e-5)
   after = np.concatenate(maxima_on_inputs_before(model, before, first, monkeypatch))
   assert after.max() <= tau * (1 + 1e-5)
+  # the running maximum starts again: the next step's clip sees its own micro-batches only
+  b3, b4 = batch(7), batch(8)
+  top2 = max(np.concatenate(numpy_maxima(model, b, monkeypatch)).max() for b in (b3, b4))
+  step(b3)
+  step(b4)
+  state = _clip_state(trainer)
+  assert int(state.count) == 2 and abs(top2 - top) > 1e-3 * top
+  np.testing.assert_allclose(float(state.min_gamma), min(1.0, tau / top2), rtol=1e-5)
 
 
 def test_a_moved_tunix_attention_is_refused(monkeypatch):
   """What a moved private API looks like: an Attention.block that no longer masks with K_MASK."""
   from tunix.models.llama3 import model as llama3
-  families = mcnn.capture_tunix.__globals__["tunix_families"]()
+  families = tunix_families()
   assert {c.__module__ for c in families} == {"tunix.models.llama3.model", "tunix.models.qwen3.model",
                                               "tunix.models.gemma.model", "tunix.models.gemma3.model"}
   model = tiny("llama3")
@@ -242,3 +251,8 @@ def test_trainer_without_a_clip_is_refused():
     mcnn.capture_tunix_trainer(trainer)
   with pytest.raises(TypeError, match="must be a Tunix trainer"):
     mcnn.capture_tunix_trainer(object())
+  # a LoRA PeftTrainer's optimizer updates its adapters (wrt=nnx.LoRAParam), never the kernels the clip scales
+  lora = peft_trainer.PeftTrainer(model, mc.muonclip(1e-3, layout=mcnn.tunix_layout(model)), config)
+  lora.optimizer = nnx.Optimizer(model, mc.muonclip(1e-3, layout=mcnn.tunix_layout(model)), wrt=nnx.LoRAParam)
+  with pytest.raises(ValueError, match="LoRAParam.*not the nnx.Param kernels"):
+    mcnn.capture_tunix_trainer(lora)

@@ -167,7 +167,7 @@ def newton_schulz(
     X = (y / (norm + floor)).astype(dtype)
   if gram:
     X = _gram_iterate(X, table, steps, normalize == "schatten4", norm_scale, eps,
-                      policy_restarts(gram_restarts(coeffs, steps, restarts), steps, prec), tall, prec)
+                      policy_restarts(restarts, gram_restarts(coeffs, steps, ()), steps, prec), tall, prec)
   else:
     X = _iterate(X, table, steps, normalize == "schatten4", norm_scale, eps, tall, prec)
   return X.astype(x.dtype)
@@ -211,7 +211,7 @@ def ns_flops(shape: tuple[int, ...], *, steps: int | None = 5, coeffs: Any = "mu
   if not gram:
     total = steps * (sym * mmn + sym * mmm + mmn)
   else:
-    restarts = policy_restarts(gram_restarts(coeffs, steps, restarts), steps, products(precision, gram))
+    restarts = policy_restarts(restarts, gram_restarts(coeffs, steps, ()), steps, products(precision, gram))
     total = sym * mmn + mmn + len(restarts) * (mmn + sym * mmn)
     bounds = (0,) + restarts + (steps,)
     for lo, hi in zip(bounds[:-1], bounds[1:]):
@@ -296,8 +296,11 @@ def _iterate(X: jax.Array, table: np.ndarray, steps: Any, schatten4: bool, norm_
 
 def apply_factor(Q: jax.Array, X0: jax.Array, tall: bool, prec: Any = None) -> jax.Array:
   """``Q X0`` (or ``X0 Q^T``) for a float32 ``Q``: in X0's dtype, split in two if narrower
-  (one product with float16 operands under the ``"float16"`` policy: ``precision``)."""
-  if prec == FLOAT16 or jnp.dtype(X0.dtype).itemsize >= jnp.dtype(Q.dtype).itemsize:
+  (one product under the ``"float16"`` policy, whose ``matmul`` rounds the float32 ``Q`` to
+  float16 once: ``precision``)."""
+  if prec == FLOAT16:
+    return _left(Q, X0, tall, None, prec)
+  if jnp.dtype(X0.dtype).itemsize >= jnp.dtype(Q.dtype).itemsize:
     return _left(Q.astype(X0.dtype), X0, tall, None, prec)
   hi = Q.astype(X0.dtype)
   lo = (Q - hi.astype(Q.dtype)).astype(X0.dtype)

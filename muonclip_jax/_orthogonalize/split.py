@@ -50,7 +50,7 @@ def resolve(ns_kwargs: dict, m: int, n: int) -> dict | None:
                                             ns_kwargs.get("restarts", ()))
   gram = uses_gram(method, m, n, ns_kwargs.get("precision"), GRAM_ASPECT)
   prec = products(ns_kwargs.get("precision"), gram)
-  if restarts or (gram and policy_restarts(gram_restarts(coeffs, steps, restarts), steps, prec)):
+  if restarts or (gram and policy_restarts((), gram_restarts(coeffs, steps, ()), steps, prec)):
     return None
   return dict(steps=steps, table=table, norm_scale=norm_scale, schatten4=normalize == "schatten4", gram=gram,
               eps=ns_kwargs.get("eps", 1e-7), compute_dtype=ns_kwargs.get("compute_dtype"),

@@ -41,8 +41,9 @@ def logical_names(leaf: Any) -> tuple | None:
   (None, "model"))`` on a ``(64, 4, 16)`` kernel names it ``(None, "model", None)``.
 
   Names that are mesh axis names, not logical ones (``logical_axes.mesh_axis_names``: Tunix
-  puts ``("fsdp", "tp")`` in its ``nnx.Param`` metadata), say nothing about the matrix and
-  read as ``None``; a spec of mesh axis names only is no names at all (None).
+  puts ``("fsdp", "tp")`` in its ``nnx.Param`` metadata, and ``("fsdp", "sp")`` for one axis
+  sharded over two), say nothing about the matrix and read as ``None``; a spec of mesh axis
+  names only is no names at all (None).
   """
   names = None
   if isinstance(leaf, flax_meta.Partitioned):
@@ -56,8 +57,10 @@ def logical_names(leaf: Any) -> tuple | None:
   if names is None:
     return None
   mesh = mesh_axis_names()
-  if any(isinstance(n, str) and n in mesh for n in names):
-    names = tuple(None if isinstance(n, str) and n in mesh else n for n in names)
+  is_mesh = lambda n: (n in mesh if isinstance(n, str)  # noqa: E731  (a tuple: an axis sharded over several)
+                       else isinstance(n, tuple) and bool(n) and all(isinstance(m, str) and m in mesh for m in n))
+  if any(is_mesh(n) for n in names):
+    names = tuple(None if is_mesh(n) else n for n in names)
     if all(n is None for n in names):
       return None
   rank = len(leaf_shape(leaf))

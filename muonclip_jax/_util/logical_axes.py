@@ -77,8 +77,9 @@ MESH_AXIS_NAMES = frozenset({
 
 
 def is_logical(name: object) -> bool:
-  """Whether the library reads ``name`` for a role (``LOGICAL_AXES``, ``*_layers`` included)."""
-  return any(name in known for known in LOGICAL_AXES.values())
+  """Whether the library reads ``name`` for a role (``LOGICAL_AXES``, ``*_layers`` included, and
+  ``VOCAB``)."""
+  return name == VOCAB or any(name in known for known in LOGICAL_AXES.values())
 
 
 def mesh_axis_names() -> frozenset[str]:

@@ -54,13 +54,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import types
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from .rebind import with_numpy
 from .sow import sow_max_logits
 
 READ_FROM = "gemma 3.3.0 and 4.0.1"
@@ -99,14 +99,6 @@ class _SowingNumpy:
     return jnp.where(condition, x, y, **kwargs)
 
 
-def _with_numpy(fn: types.FunctionType, numpy: Any) -> types.FunctionType:
-  """``fn`` whose global ``jnp`` is ``numpy``; ``fn`` and its module stay as they are."""
-  bound = types.FunctionType(fn.__code__, {**fn.__globals__, "jnp": numpy}, fn.__name__, fn.__defaults__,
-                             fn.__closure__)
-  bound.__kwdefaults__ = fn.__kwdefaults__
-  return bound
-
-
 class _CaptureGemma:
   """The context manager ``capture_gemma()`` returns: reusable and re-entrant (module docstring)."""
 
@@ -141,7 +133,7 @@ def _intercept(modules: Any, next_fun: Any, args: Any, kwargs: Any, context: Any
     raise RuntimeError(f"capture_gemma: flax's InterceptorContext.orig_method is {context.orig_method!r}, "
                        "not partial(function, module) as in flax 0.12; this flax release moved it")
   raw = context.orig_method.func
-  out = _with_numpy(raw, numpy)(module, *args, **kwargs)
+  out = with_numpy(raw, numpy)(module, *args, **kwargs)
   if not numpy.sown:
     raise RuntimeError(
         f"capture_gemma: gemma's attention {'/'.join(module.path)!r} did not mask its logits with "

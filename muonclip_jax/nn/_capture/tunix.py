@@ -63,6 +63,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..._clip import GQALayout, Projection
+from .rebind import with_numpy
 from .sow import capturing, sow_head_max
 from .._impl import head_max
 
@@ -100,8 +101,8 @@ def tunix_families() -> dict[type, tuple[Any, str]]:
     cls, k_mask = getattr(module, "Attention", None), getattr(module, "K_MASK", None)
     if not isinstance(cls, type) or not isinstance(k_mask, float):
       raise _moved(f"{name} has no Attention class and float K_MASK")
-    raw = cls.__dict__.get("block", None)
-    raw = _installed.get(cls, raw)
+    with _LOCK:
+      raw = _installed.get(cls, cls.__dict__.get("block", None))
     if not isinstance(raw, types.FunctionType) or "jnp" not in raw.__code__.co_names:
       raise _moved(f"{name}.Attention.block is not a function that reads the global jnp")
     found[cls] = (module, axes)
@@ -145,14 +146,6 @@ def _heads_max(logits: jax.Array, mask: Any, axes: str) -> jax.Array:
   return head_max(logits, mask, head_axis=axes.index("N"), where="capture_tunix")
 
 
-def _with_numpy(fn: types.FunctionType, numpy: Any) -> types.FunctionType:
-  """``fn`` whose global ``jnp`` is ``numpy``; ``fn`` and its module stay as they are."""
-  bound = types.FunctionType(fn.__code__, {**fn.__globals__, "jnp": numpy}, fn.__name__, fn.__defaults__,
-                             fn.__closure__)
-  bound.__kwdefaults__ = fn.__kwdefaults__
-  return bound
-
-
 def _wrapper(raw: types.FunctionType, module: Any, axes: str) -> Any:
   """The ``block`` installed while a capture is open: captures only in a thread with one open."""
 
@@ -167,7 +160,7 @@ def _wrapper(raw: types.FunctionType, module: Any, axes: str) -> Any:
           "Gemma 2) and masks them after the cap, where a maximum cannot exceed the cap; QK-Clip is refused "
           "with soft-capping")
     numpy = _RecordingNumpy(module.K_MASK)
-    out = _with_numpy(raw, numpy)(self, *args, **kwargs)
+    out = with_numpy(raw, numpy)(self, *args, **kwargs)
     if numpy.capped:
       raise ValueError(f"capture_tunix: {type(self).__module__}.Attention.block applied tanh (a soft-cap) "
                        "before masking its logits; QK-Clip is refused with soft-capping")
@@ -199,13 +192,15 @@ class _CaptureTunix:
   def __enter__(self) -> None:
     global _users
     with _LOCK:
-      if _users == 0:
-        for cls, (module, axes) in self._families.items():
-          raw = cls.__dict__["block"]
+      if _users == 0:  # every wrapper made (or the refusal raised) before any class changes
+        raws = {cls: cls.__dict__["block"] for cls in self._families}
+        for cls, raw in raws.items():
           if getattr(raw, "_muonclip_tunix", False):
             raise _moved(f"{cls.__module__}.Attention.block is already wrapped")
-          _installed[cls] = raw
-          cls.block = _wrapper(raw, module, axes)
+        wrappers = {cls: _wrapper(raws[cls], module, axes) for cls, (module, axes) in self._families.items()}
+        _installed.update(raws)
+        for cls, block in wrappers.items():
+          cls.block = block
       _users += 1
     _OPEN.count = getattr(_OPEN, "count", 0) + 1
     if not hasattr(self._exits, "stack"):

@@ -125,7 +125,8 @@ def capture_tunix_trainer(trainer: Any) -> Any:
     TypeError: ``trainer`` has no ``nnx.Optimizer`` ``optimizer``, NNX ``model`` or callable
       ``loss_fn``; its optimizer is already wired.
     ValueError: its optimizer has no QK-Clip, has a transform after the clip, or has a plain
-      ``optax.MultiSteps`` inside it (``check_opt_state``); its model holds no Tunix attention.
+      ``optax.MultiSteps`` inside it (``check_opt_state``); it updates LoRA adapters, not the
+      ``nnx.Param`` kernels; its model holds no Tunix attention.
   """
   opt, model, loss_fn = (getattr(trainer, a, None) for a in ("optimizer", "model", "loss_fn"))
   if not isinstance(opt, nnx.Optimizer) or not isinstance(model, nnx.Module) or not callable(loss_fn):
@@ -135,6 +136,11 @@ def capture_tunix_trainer(trainer: Any) -> Any:
     raise TypeError("capture_tunix_trainer: this trainer is already wired; call it once")
   if type(opt) is not nnx.Optimizer:
     raise TypeError(f"capture_tunix_trainer: trainer.optimizer is a {type(opt).__name__}, not nnx.Optimizer")
+  if opt.wrt is not nnx.Param:
+    raise ValueError(
+        f"capture_tunix_trainer: the trainer's optimizer updates {opt.wrt!r}, not the nnx.Param kernels whose "
+        "heads QK-Clip scales (a LoRA PeftTrainer trains its adapters only); QK-Clip of LoRA training is not "
+        "supported")
   state = nnx.as_pure(opt.opt_state)
   accumulates = isinstance(opt.tx, optax.MultiSteps)
   inner = state.inner_opt_state if accumulates else state
