@@ -18,7 +18,7 @@ error and the run goes on. Sections:
    (``ns_flops``; optax: ``steps (4 m^2 n + 2 m^3)``).
 2. **The Gram iteration's precision** on a 4096x16384 matrix whose rows span three decades:
    the library's Gram method at the backend's policy (``_orthogonalize.precision``; on a GPU
-   float16 operands, restarted before step 2) and at ``precision="highest"`` (``m x m``
+   float16 operands, restarted every 2 steps) and at ``precision="highest"`` (``m x m``
    iteration in float32, every product ``HIGHEST``), a bf16 ``m x m`` iteration written here for
    the comparison, and ``standard`` at the backend's policy. Time, and the response
    ``d_i = u_i^T O v_i`` of the output along each input singular pair (1 for an exact polar

@@ -186,7 +186,7 @@ def scale_by_muon(
     ns_precision: static; the precision policy of Newton–Schulz's products (``newton_schulz``'s
       ``precision``): None (default) for the backend's, read when the update is traced: on
       the CPU every product exact float32; on GPUs every product on float16 operands with
-      float32 accumulation, the Gram iteration restarted once; on TPUs ``ns_method="auto"``
+      float32 accumulation, the Gram iteration restarted every 2 steps; on TPUs ``ns_method="auto"``
       runs the standard iteration at the one-pass bfloat16 rate, where it holds its band, and
       a Gram iteration keeps exact float32 products. ``"highest"``, ``"float16"`` or
       ``"default"`` picks one of the policies on any backend (docs/training.md, "Precision").

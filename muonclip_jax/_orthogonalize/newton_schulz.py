@@ -96,14 +96,14 @@ def newton_schulz(
     restarts: ``"gram"`` only: step indices (in ``[1, steps - 1]``) before which the Gram
       matrix is re-formed from the current iterate. Empty: the preset's own (``"deepseek_v4"``
       restarts before step 5; the others need none, except under the ``"float16"`` policy,
-      which restarts before step 2). Not needed in float32 (tested up to condition number 1e6)
+      which restarts every 2 steps as well). Not needed in float32 (tested up to condition number 1e6)
       nor in bfloat16 (see ``compute_dtype``).
     precision: the precision policy of the products (``_orthogonalize.precision``): None (the
       default) for the backend's, read from ``jax.default_backend()`` when traced: on the CPU
       ``"highest"`` (every product exact float32, ``"auto"`` as above); on GPUs
       ``"float16"`` (``"auto"`` as above; every product on float16 operands, the iterate
       scaled by a power of two into float16's range, accumulated in float32; a Gram iteration
-      restarts before step 2 unless ``restarts`` says otherwise); on TPUs ``"default"``
+      restarts every 2 steps unless ``restarts`` says otherwise); on TPUs ``"default"``
       (``"auto"`` runs ``"standard"``, whose products run at the one-pass bfloat16 rate and
       hold the band there; a ``"gram"`` iteration keeps exact float32 products, since 8-bit
       mantissas leave its band). No product depends on ``jax_default_matmul_precision``.

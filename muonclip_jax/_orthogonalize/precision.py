@@ -11,9 +11,12 @@ user sets it. The two iterations react differently to narrow operands:
 * ``"gram"`` iterates on ``G = X X^T``, which squares the input's condition number, and
   multiplies ``Q_k`` whose entries grow as ``1 / s_min``: 8-bit mantissas there leave the band
   (emulated TPU default: largest singular value up to 23 on condition-1e6 inputs). With 11-bit
-  float16 operands it holds if the iteration restarts once, before step 2 (``X_0 <- Q_2 X_0``
-  and ``G`` from it), which resets the factor before its rounding has grown: the Dao AI Lab's
-  Gram Newton–Schulz runs its ``m x m`` iteration this way on GPUs.
+  float16 operands it holds if the iteration restarts every two steps, before steps 2, 4, ...
+  (``X_0 <- Q_k X_0`` and ``G`` from it), which resets the factor before its rounding has
+  grown: the Dao AI Lab's Gram Newton–Schulz restarts its float16 ``m x m`` iteration on GPUs.
+  (Four steps, ``polar_express_4``: one restart. DeepSeek-V4's ten, whose eight Keller steps
+  grow small singular values ~2e4-fold, leave the band with restarts before steps 2 and 5
+  only: largest singular value 2.2 on a condition-1e6 input.)
 
 So the policy names a precision for every product (none depends on the global flag):
 
@@ -22,7 +25,7 @@ policy     ``method="auto"``                         standard's products  Gram's
 =========  =======================================  ===================  =====================
 highest    Gram where it saves FLOPs (aspect >= 2)   ``HIGHEST``          ``HIGHEST``
 float16    Gram where it saves FLOPs (aspect >= 2)   float16 operands     float16 operands,
-                                                                          restart before step 2
+                                                                          restarts every 2 steps
 default    standard                                  ``DEFAULT``          ``HIGHEST``
 =========  =======================================  ===================  =====================
 
@@ -89,14 +92,18 @@ def products(precision: str | None, gram: bool) -> Any:
   return jax.lax.Precision.DEFAULT
 
 
+TRACED_STEPS = 64  # float16 restarts of a traced step count (inject_hyperparams): every 2 steps below this
+
+
 def restarts(given: tuple[int, ...], own: tuple[int, ...], steps: Any, prec: Any) -> tuple[int, ...]:
   """A Gram iteration's restarts: ``given`` (the caller's), else the preset's ``own`` and, for
-  float16 products (module docstring) over more than 2 steps, one before step 2."""
+  float16 products (module docstring), one every 2 steps: before steps 2, 4, ... below ``steps``."""
   if given:
     return given
-  if prec != FLOAT16 or (isinstance(steps, int) and steps <= 2):
+  if prec != FLOAT16:
     return own
-  return tuple(sorted({2, *own}))
+  top = steps if isinstance(steps, int) else TRACED_STEPS
+  return tuple(sorted({*range(2, top, 2), *own}))
 
 
 def iterate_scale(x: Any, prec: Any) -> float:
