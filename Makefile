@@ -19,18 +19,20 @@ $(BIN)/python:
 # dependencies: through kauldron they pull tensorflow (about 2 GB); gemma's attention needs
 # none of them, and the tests stand in for the two kauldron names it imports.
 GEMMA := 'gemma==3.3.0; python_version < "3.12"' 'gemma==4.0.1; python_version >= "3.12"'
-# The trainers' own packages, for the Python 3.12 suite (tests/test_maxtext_package.py,
-# tests/test_tunix_package.py; MaxText 0.2.5 needs Python >= 3.12). MaxText 0.2.5 declares no
+# The trainers' own packages (tests/test_maxtext_package.py, tests/test_tunix_package.py).
+# MaxText 0.2.5 needs Python >= 3.12 and JAX >= 0.11: the Python 3.12 suite only. It declares no
 # dependencies beyond its cuda12/tpu extras (about 250 pins, torch among them): it goes in
-# without them, and MAXTEXT_DEPS are what its decoders, loss and train state import. Tunix's
-# own dependencies pull transformers 5 (no Flax models) and safetensors<0.8, which the test
-# extra cannot take: it goes in without them, with what its models and PeftTrainer import.
+# without them, and MAXTEXT_DEPS are what its decoders, loss and train state import. Tunix
+# (both suites): its own dependencies pull transformers 5 (no Flax models) and safetensors<0.8,
+# which the test extra cannot take; it goes in without them, with what its models and
+# PeftTrainer import (sentencepiece: 0.2.3 with MaxText's on 3.12; 0.2.2 on 3.11, where gemma's
+# protobuf fails to import 0.2.3).
 PY312 := ; python_version >= "3.12"
 MAXTEXT := 'maxtext==0.2.5$(PY312)'
 MAXTEXT_DEPS := $(foreach p,omegaconf==2.4.0 pathwaysutils==0.1.13 jinja2==3.1.6 grain==0.2.18 drjax==0.2.1 \
   aqtp==0.9.0 tiktoken==0.14.0 sentencepiece==0.2.3 sympy==1.14.0,'$(p)$(PY312)')
-TUNIX := $(foreach p,google-tunix==0.1.7 google-metrax==0.2.4 clu==0.0.12 wrapt==2.5.2 perfetto==0.59.1 \
-  pandas==3.1.1 einops==0.8.2,'$(p)$(PY312)')
+TUNIX := google-tunix==0.1.7 google-metrax==0.2.4 clu==0.0.12 wrapt==2.5.2 perfetto==0.59.1 pandas==3.1.1 \
+  einops==0.8.2 'sentencepiece==0.2.2; python_version < "3.12"'
 
 $(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/python -m pip install -q --no-compile -e '.[test,demo]' $(MAXTEXT_DEPS)

@@ -21,7 +21,7 @@ and dtype) and the full Markdown table.
 (``"auto"`` and ``"gram"``, float32 and bfloat16 compute), where the first step's ``X X^T``
 has entries that float16 holds only as subnormals (``_orthogonalize/precision.py``).
 
-``--flops`` prints instead the GPU policy's matmul FLOPs, traced (no arrays) on the issue's
+``--flops`` prints instead the GPU policy's matmul FLOPs, traced (no arrays) on the
 shapes (4096x16384, 4096x4096, a 64x2048x7168 expert stack) as if on a GPU, against
 ``optax.contrib.muon``'s with its defaults: a product with a float32 operand counted twice (the
 TF32 rate is half the 16-bit one; ``_emulated_backend.weighted_flops``), with the operand dtypes

@@ -55,10 +55,7 @@ _SETUP = {"muonclip_jax.nn.capture_gemma": import_gemma}
 
 
 def _tunix():
-  """Tunix is installed for the Python 3.12 suite only (tests/test_tunix_package.py); there it must import."""
-  import sys
-  if sys.version_info < (3, 12):
-    pytest.importorskip("tunix", reason="Tunix is installed for the Python 3.12 suite only")
+  """Tunix is installed in both suites (Makefile): it must import."""
   import tunix  # noqa: F401
 
 

@@ -148,12 +148,12 @@ def test_every_preset_keeps_its_band_with_float16_gram_products():
 
 
 def test_the_gpu_path_multiplies_16_bit_operands_only_and_fewer_weighted_flops_than_optax():
-  """The CPU-checkable proxies of the GPU speed goals (issue 48): on an emulated GPU, the default update's
+  """What a CPU can check of the GPU path's speed: on an emulated GPU, the default update's
   products all take float16 operands (whole, stacked and per-head matrices; float32 and bfloat16
   compute), and its matmul FLOPs, a float32 product counted at twice a 16-bit one, against
   ``optax.contrib.muon``'s (its defaults: 5 steps of the standard iteration on float32 operands) on the
   same matrices: <= 0.6 on wide 64x256, <= 0.8 on square 64x64, <= 0.65 on a 4x64x224 expert stack
-  (the issue's goals for the time on an H100, as FLOPs). The stack is one Newton–Schulz call: every
+  (the time goals on an H100 against optax, taken as FLOPs). The stack is one Newton–Schulz call: every
   product batches its 4 experts, none a zero-padded slot."""
   from optax import contrib
   cases = {"wide": ((64, 256), 0.6), "square": ((64, 64), 0.8), "experts": ((4, 64, 224), 0.65)}

@@ -24,8 +24,6 @@ step with ``mc.muonclip``. Checked against NumPy:
 
 from __future__ import annotations
 
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,14 +36,8 @@ import muonclip_jax.nn as mcnn
 from _tunix_package import (batch, expert_matrix_axes, maxima_on_inputs_before, model_inputs, numpy_maxima,
                             params_of, tiny)
 
-if sys.version_info < (3, 12):  # google-tunix 0.1.7 is tested on the Python 3.12 suite only (Makefile)
-  try:
-    import tunix  # noqa: F401
-  except ImportError:
-    pytest.skip("Tunix is installed for the Python 3.12 suite only", allow_module_level=True)
-
-from tunix.sft import peft_trainer  # noqa: E402
-from muonclip_jax.nn._capture.tunix import tunix_families  # noqa: E402  (the adapter's list of what it reads)
+from tunix.sft import peft_trainer  # both suites install Tunix (Makefile): a missing one fails here
+from muonclip_jax.nn._capture.tunix import tunix_families  # the adapter's list of what it reads
 
 
 @pytest.fixture(autouse=True)

@@ -40,7 +40,7 @@ hundred, but at the first step ``X X^T`` (trace 1, or Frobenius norm 1 after a S
 normalization) has off-diagonal entries of about ``1 / (m sqrt(n))`` that float16 holds as
 subnormals, with an absolute error of at most 2^-25 each: far below the rounding of its large
 entries (measured: the band on 2048x8192 Gaussian and condition-1e6 inputs as in float32,
-``benchmarks/emulated_band.py``). A float64 product stays float64 at ``HIGHEST``.
+``benchmarks/emulated_band.py --large``). A float64 product stays float64 at ``HIGHEST``.
 
 ``precision=None`` takes ``"highest"`` on the CPU (where every float32 product is exact float32
 anyway, so this is today's arithmetic, bit for bit), ``"float16"`` on GPUs and ``"default"`` on
