@@ -310,7 +310,7 @@ def test_expert_matrices_share_the_grouping_loops():
   def products(n, stacked):
     if stacked:
       tree = {"layers_0": {"wi": jnp.zeros((n, D, F))}, "layers_1": {"wi": jnp.zeros((n, D, F))}}
-    else:  # at most 8 loops of a shape from 64 matrices on (batching.STACKS)
+    else:  # at most batching.STACKS loops of a shape
       tree = {"experts": {str(e): {"wi": jnp.zeros((D, F))} for e in range(n)}}
     opt = mc.scale_by_muon(matrix_axes=mc.MatrixAxes((-2,), (-1,)))
     return str(jax.make_jaxpr(lambda g: opt.update(g, opt.init(g))[0])(tree)).count("dot_general")

@@ -35,10 +35,10 @@ def test_few_matrices_of_a_shape_are_not_stacked():
   assert _plan([1] * (batching.MIN_STACK - 1)) == [[i] for i in range(batching.MIN_STACK - 1)]
 
 
-def test_stacks_are_at_most_an_eighth_of_a_shape_and_at_least_eight():
-  assert [len(c) for c in _plan([1] * 48)] == [8] * 6  # max(8, 48 / 8)
-  assert [len(c) for c in _plan([1] * 96)] == [12] * 8  # 96 / 8: the number of loops stops growing
-  assert [len(c) for c in _plan([1] * 100)] == [13] * 7 + [9]
+def test_stacks_are_at_most_half_of_a_shape_and_at_least_eight():
+  assert [len(c) for c in _plan([1] * 12)] == [8, 4]  # max(8, 12 / 2)
+  assert [len(c) for c in _plan([1] * 48)] == [24] * 2  # 48 / 2: the number of loops stops growing
+  assert [len(c) for c in _plan([1] * 101)] == [51, 50]
 
 
 def test_a_leaf_is_never_cut_and_stacks_follow_the_leaves():

@@ -75,15 +75,17 @@ def ns_in_place(x: jax.Array, batch: tuple[int, ...], fan_in: tuple[int, ...], f
   return z if perm == tuple(range(x.ndim)) else jnp.transpose(z, tuple(perm.index(a) for a in range(x.ndim)))
 
 
-def orthogonalize_blocks(gs: list, ms: list, blocks: Sequence[Blocks], direction: Callable, rms: Callable, *,
+def orthogonalize_blocks(gs: list, ms: list, ss: list, blocks: Sequence[Blocks], direction: Callable, rms: Callable, *,
                          paths: Sequence[str], batch: int | None, target: Any, split: str,
                          ns_kwargs: dict) -> list:
-  """``rms(rows, cols) * NewtonSchulz(direction(i, g_i, m_i))`` block by block, in each leaf's dtype.
+  """``rms(rows, cols) * NewtonSchulz(direction(g_i, m_i, s_i))`` block by block, in each leaf's dtype.
+
+  ``s_i`` is leaf ``i``'s momentum scale, of its rank (size 1 on the matrix axes).
 
   ``target`` is ``scale_by_muon``'s ``shard_orthogonalization``; ``batch`` its ``ns_batch``.
   """
   if target is not None:
-    return _sharded(gs, ms, blocks, direction, rms, paths=paths, target=target, split=split, ns_kwargs=ns_kwargs)
+    return _sharded(gs, ms, ss, blocks, direction, rms, paths=paths, target=target, split=split, ns_kwargs=ns_kwargs)
 
   def ns(x):
     return newton_schulz(x, **ns_kwargs)
@@ -94,7 +96,7 @@ def orthogonalize_blocks(gs: list, ms: list, blocks: Sequence[Blocks], direction
     if b.is_whole:
       continue
     g, m = (gs[i], ms[i]) if not prev else after((gs[i], ms[i]), prev)  # one leaf's temporaries at a time
-    d = direction(i, g, m)
+    d = direction(g, m, ss[i])
     outs = [ns_in_place(x, bt, fi, fo, b.inner, ns, batch or 1) * rms(r, c)
             for x, (bt, fi, fo, r, c) in zip(b.pieces(d), piece_dims(b, paths[i], d.shape))]
     result[i] = b.assemble(outs, d.shape).astype(gs[i].dtype)
@@ -109,14 +111,15 @@ def orthogonalize_blocks(gs: list, ms: list, blocks: Sequence[Blocks], direction
     def finish(j, o):
       return (o * rms(dims[j][3], dims[j][4])).astype(gs[rest[j]].dtype)
 
-    outs = orthogonalize_leaves([g for g, _ in sub], [m for _, m in sub], [d[:3] for d in dims],
-                                lambda j, g, m: direction(rest[j], g, m), finish, batch=batch, **ns_kwargs)
+    outs, _ = orthogonalize_leaves([g for g, _ in sub], [(m, ss[i]) for (_, m), i in zip(sub, rest)],
+                                   [d[:3] for d in dims], lambda g, m, s: (direction(g, m, s), ()), finish,
+                                   batch=batch, **ns_kwargs)
     for i, o in zip(rest, outs):
       result[i] = o
   return result
 
 
-def _sharded(gs, ms, blocks, direction, rms, *, paths, target, split, ns_kwargs) -> list:
+def _sharded(gs, ms, ss, blocks, direction, rms, *, paths, target, split, ns_kwargs) -> list:
   """The distributed path: every piece an ordinary matrix of one plan, except heads-sharded pieces."""
   if isinstance(target, Mesh):
     mesh, by_path = target, {}
@@ -130,7 +133,7 @@ def _sharded(gs, ms, blocks, direction, rms, *, paths, target, split, ns_kwargs)
 
   xs, axes, shardings, where, pieces = [], [], [], [], {}
   for i, b in enumerate(blocks):
-    d = direction(i, gs[i], ms[i])
+    d = direction(gs[i], ms[i], ss[i])
     sharding = by_path.get(paths[i])
     spec = None if sharding is None else (tuple(sharding.spec) if b.is_whole else
                                           piece_spec(b, tuple(sharding.spec), d.shape, sizes))

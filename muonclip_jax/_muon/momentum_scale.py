@@ -4,7 +4,8 @@ Finite gradients never overflow the momentum or the direction: a constant gradie
 makes ``M_t`` pass float32's largest (it tends to ``G / (1 - mu)``), and ``G + mu M_t`` does
 from ``G`` ~ 1.8e38. ``scale_by_muon`` stores ``M_t / s_t`` (``ScaleByMuonState``), ``s_t`` a
 power of two >= 1 per matrix (one per leaf, one per layer or expert of a stack: ``scale_shape``)
-chosen at each step by ``rescale``; ``in_units`` reads a gradient in those units.
+chosen at each step by ``rescale``; ``in_units`` reads a gradient in those units, and
+``times`` multiplies by a power of two per matrix.
 """
 
 from __future__ import annotations
@@ -33,6 +34,26 @@ def in_units(g: jax.Array, s: jax.Array) -> jax.Array:
   dt = s.dtype
   s = _spread(s, g.shape)
   return lax.select(_spread(lax.eq(s, np.ones((), dt)), g.shape), g, lax.div(g.astype(dt), s).astype(g.dtype))
+
+
+def rounded(x: jax.Array) -> jax.Array:
+  """``x`` rounded to its dtype, explicitly (``reduce_precision``; nothing for float32).
+
+  Under ``xla_allow_excess_precision`` (XLA's default) a bfloat16 or float16 value computed
+  inside a float32 fusion may reach its consumer unrounded: how the momentum and the
+  direction fuse with Newton–Schulz (in a stack's loop, or not) would then decide their
+  roundings. Rounded here, they are the values their dtype holds, wherever XLA fuses them.
+  """
+  info = jnp.finfo(x.dtype)
+  if info.bits >= 32:  # XLA computes in float32 or wider: no excess precision to drop
+    return x
+  return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
+def times(x: jax.Array, c: jax.Array) -> jax.Array:
+  """``x c`` for a power of two ``c`` per matrix: exact (but for entries pushed below the
+  smallest normal), and ``x`` itself, bit for bit, for ``c = 1``."""
+  return lax.mul(x.astype(c.dtype), _spread(c, x.shape)).astype(x.dtype)
 
 
 def _spread(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -66,11 +87,13 @@ def rescale(ms: list, gs: list, ss: list) -> list[tuple[jax.Array, jax.Array]]:
   returned as they are (selected, not multiplied by 1, so that ``beta * m + g`` downstream
   keeps its exact form and rounding: the plain formula's operations).
 
-  Per leaf this is one fused reduction (``a``), a few scalar integer operations on ``a``'s
-  exponent bits (``_power_of_two_below``) and a select: a deep unscanned model has hundreds of
-  leaves, and per-leaf scalar code (``frexp``/``ldexp``, or a vector of all leaves' scalars
-  that every leaf then reads) multiplied the update's compile time (``benchmarks/RESULTS.md``,
-  "The scaled momentum's compile time").
+  This is one fused reduction (``a``), a few scalar integer operations on ``a``'s exponent
+  bits (``_power_of_two_below``) and a select. Under the default grouping it runs in each
+  stack's loop (``_orthogonalize.batching``), compiled once per stack: traced once per leaf
+  of a deep unscanned model (hundreds of leaves), such scalar code multiplied the update's
+  compile time (``benchmarks/RESULTS.md``, "The scaled momentum's compile time"). The
+  momentum stored in the state is then ``beta times(m, s / s_new) + times(g, 1 / s_new)``,
+  leaf by leaf: the same values (``times`` by 1 is exact).
   """
   out = []
   for m, g, s in zip(ms, gs, ss):

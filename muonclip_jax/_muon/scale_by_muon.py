@@ -21,8 +21,8 @@ below about three quarters (the bound is in ``rescale``). Dividing by a power of
 exact, and ``NewtonSchulz`` is scale-invariant (up to its ``eps``, negligible there: ``s_t > 1``
 only when the direction's entries are near float32's largest, or float16's), so the update is
 that of the true ``M_t``. While ``s_t = 1`` (every run whose momentum fits, and again once a
-large one decays) the arithmetic is the plain formula above: the same operations, no
-multiplication by 1, so it rounds as the unscaled formula does.
+large one decays) the arithmetic is the plain formula above: its operations, with at most an
+exact multiplication by 1, so it rounds as the unscaled formula does.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax import lax
 
 from .._util import check_bool, check_number, is_box, MatrixAxesSpec, MetadataMemo, path_str, skip_frozen_leaves
 from .._orthogonalize import (check_target, orthogonalize_leaves, orthogonalize_leaves_sharded, policy,
@@ -43,7 +45,7 @@ from .._orthogonalize import (check_target, orthogonalize_leaves, orthogonalize_
 from .block_orthogonalize import orthogonalize_blocks
 from .layout_matrices import check_blocks, muon_blocks_lookup
 from .blocks import piece_dims
-from .momentum_scale import in_units, rescale, scale_dtype, scale_shape
+from .momentum_scale import in_units, rounded, times, rescale, scale_dtype, scale_shape
 from .._clip import LayoutSpec, report_layout
 
 RMS_MODES = ("moonlight", "keller", None)
@@ -152,9 +154,9 @@ def scale_by_muon(
   both measured against ``optax.contrib.muon`` (bands, FLOPs, time, memory).
 
   Same-shaped matrices (rows, columns, dtype) are stacked and orthogonalized by one loop per
-  stack, so that the update compiles in a time that does not grow with depth: a shape with
-  fewer than 8 matrices is not stacked; otherwise its matrices go, in leaf order, into at
-  most 8 stacks of ``max(8, ceil(count / 8))``. Each loop iteration is one batched call of
+  stack, so that the number of Newton–Schulz bodies in the program does not grow with depth:
+  a shape with fewer than 8 matrices is not stacked; otherwise its matrices go, in leaf
+  order, into at most 2 stacks of ``max(8, ceil(count / 2))``. Each loop iteration is one batched call of
   one matrix on a CPU (where batching saves nothing), and on an accelerator of as many
   matrices as make ``2^40`` Newton–Schulz FLOPs (about a millisecond of an H100), so that
   the loop's overhead per iteration stays small. The loops read the leaves in place (no stacked copy of the inputs)
@@ -382,37 +384,58 @@ def scale_by_muon(
             "optax.tree.cast, overflows it): keep mu_scale as init gives it, or pass mu_dtype= to store "
             "the momentum in another dtype")
     blocks = [lookup(p, g.shape) for p, g in zip(paths, leaves)]
-    scaled = rescale(mus, leaves, old_scales)
-    scales = [s for _, s in scaled]
-    # M_t / s_t in mu's dtype; the gradient is divided by s_t where it is read (here and in the
-    # direction), never stored: no temporary per leaf
-    flat_mu = [(beta * m + in_units(g, s)).astype(m.dtype) for (m, s), g in zip(scaled, leaves)]
-    state = ScaleByMuonState(mu=jax.tree.unflatten(mu_def, flat_mu), mu_scale=jax.tree.unflatten(scale_def, scales))
-
-    def direction(i, g, m):  # leaf i's (a slice of it), divided by its mu_scale
-      if not nesterov:
-        return m.astype(g.dtype)
-      g = in_units(g, scales[i])
-      return g + beta * m.astype(g.dtype)
 
     def rms(fan_in, fan_out):
       return rms_factor(rms_match, rms_scale, fan_in, fan_out)
 
-    if any(not b.is_whole for b in blocks):  # per head or per part (muon_blocks)
-      new = orthogonalize_blocks(leaves, flat_mu, blocks, direction, rms, paths=paths,
-                                 batch=batch, target=shard_orthogonalization, split=shard_split, ns_kwargs=ns_kwargs)
-      return jax.tree_util.tree_unflatten(treedef, new), state
-    specs = [piece_dims(b, p, g.shape)[0] for b, p, g in zip(blocks, paths, leaves)]
+    def direction(g, m, s):
+      """The direction of Newton–Schulz in the units of ``s``, from the new momentum ``m = M_t / s``."""
+      return rounded(in_units(g, s) + beta * m.astype(g.dtype) if nesterov else m.astype(g.dtype))
+
+    def combine(m, g):
+      """``M_t = beta M_{t-1} + G_t`` in the units of both, in ``m``'s dtype."""
+      return rounded((beta * m + g).astype(m.dtype))
+
+    def momentum(g, m, s):
+      """``(direction, M_t / s_t, s_t)`` of one leaf, or of matrices of one shape (``s``: per matrix)."""
+      ((m, s),) = rescale([m], [g], [s])
+      m = combine(m, in_units(g, s))
+      return direction(g, m, s), m, s
+
+    def step(g, m, s):  # in a stack's loop: the direction, the new scale and the powers of two of the momentum
+      d, _, s_new = momentum(g, m, s)
+      return d, (s_new, lax.div(s, s_new), lax.div(jnp.ones((), s.dtype), s_new))
 
     def finish(i, o):
-      return (o * rms(specs[i][3], specs[i][4])).astype(flat[i][1].dtype)
+      r = rms(specs[i][3], specs[i][4])
+      # a Python float is weakly typed: o's dtype, as o * r gives (in lax: traced once per leaf)
+      o = lax.mul(o, np.asarray(r, o.dtype)) if isinstance(r, float) else o * r
+      return o.astype(flat[i][1].dtype)
 
-    axes = [s[:3] for s in specs]
-    if shard_orthogonalization is not None:
-      new = orthogonalize_leaves_sharded(leaves, flat_mu, axes, direction, finish, paths=paths,
-                                         target=shard_orthogonalization, ns_kwargs=ns_kwargs, split=shard_split)
+    specs = [piece_dims(b, p, g.shape)[0] for b, p, g in zip(blocks, paths, leaves)]
+    # each scale with its leaf's rank (size 1 on the matrix axes): it then reads as matrices do
+    ranked = [s.reshape(s.shape or (1,) * g.ndim) for s, g in zip(old_scales, leaves)]
+    if shard_orthogonalization is None and all(b.is_whole for b in blocks):
+      # the default: each stack's loop computes its matrices' scales and directions, then their
+      # Newton–Schulz. The stored momentum is computed here, leaf by leaf, from the loop's
+      # powers of two (the same values: ``times`` by 1 is exact); a loop's own momentum,
+      # sliced into the leaves, would be one more temporary copy of every stacked matrix.
+      new, stepped = orthogonalize_leaves(leaves, list(zip(mus, ranked)), [sp[:3] for sp in specs], step, finish,
+                                          batch=batch, **ns_kwargs)
+      scales = [s for s, _, _ in stepped]
+      flat_mu = [combine(times(m, c), times(g, inv)) for g, m, (_, c, inv) in zip(leaves, mus, stepped)]
     else:
-      new = orthogonalize_leaves(leaves, flat_mu, axes, direction, finish, batch=batch, **ns_kwargs)
+      stepped = [momentum(g, m, s) for g, m, s in zip(leaves, mus, ranked)]
+      flat_mu, scales = [m for _, m, _ in stepped], [s for _, _, s in stepped]
+      if any(not b.is_whole for b in blocks):  # per head or per part (muon_blocks)
+        new = orthogonalize_blocks(leaves, flat_mu, scales, blocks, direction, rms, paths=paths, batch=batch,
+                                   target=shard_orthogonalization, split=shard_split, ns_kwargs=ns_kwargs)
+      else:
+        new = orthogonalize_leaves_sharded(leaves, flat_mu, [sp[:3] for sp in specs],
+                                           lambda i, g, m: direction(g, m, scales[i]), finish, paths=paths,
+                                           target=shard_orthogonalization, ns_kwargs=ns_kwargs, split=shard_split)
+    scales = [s.reshape(old.shape) for s, old in zip(scales, old_scales)]
+    state = ScaleByMuonState(mu=jax.tree.unflatten(mu_def, flat_mu), mu_scale=jax.tree.unflatten(scale_def, scales))
     return jax.tree_util.tree_unflatten(treedef, new), state
 
   return skip_frozen_leaves(optax.GradientTransformation(init_fn, update_fn))

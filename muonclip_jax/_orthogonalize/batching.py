@@ -3,16 +3,18 @@
 A program with one Newton–Schulz call per matrix compiles in time proportional to the number
 of matrices: an unscanned 48-layer model has hundreds, and its update compiles ten times
 slower than AdamW's. Under the default (``ns_batch=None``) same-shaped matrices (same
-``rows x cols`` and dtype) are stacked and orthogonalized by one
-loop (``lax.map``) over the stack, so the program holds one Newton–Schulz body per stack, not
-per matrix:
+``rows x cols`` and dtype) are stacked and orthogonalized by one loop (``lax.scan``) over the
+stack, so the program holds one Newton–Schulz body per stack, not per matrix; what the caller
+computes per matrix before Newton–Schulz (``step``: Muon's momentum scale and direction) runs
+in that body too, compiled once per stack:
 
 * **count:** a shape with fewer than ``MIN_STACK`` matrices is not stacked (the few calls it
   saves do not pay for the loop); otherwise its matrices are cut, in leaf order, into at most
   ``STACKS`` stacks of ``max(MIN_STACK, ceil(count / STACKS))`` matrices (a leaf is never
   cut: a stacked leaf with more matrices is a stack of its own). The number of loops
-  therefore does not grow with depth (measured: eight per shape compile faster than fewer,
-  longer ones, whose ``lax.switch`` has more branches).
+  therefore does not grow with depth. Two per shape compiled fastest on a 48- and a 96-layer
+  model (``benchmarks/RESULTS.md``): each loop adds a Newton–Schulz body, and a loop of
+  ``n`` matrices compiles in time growing as ``n^2`` (its ``lax.switch`` has ``n`` branches).
 * **backend:** each iteration of a stack's loop orthogonalizes ``per_call`` matrices in one
   batched call. On a CPU ``per_call`` is 1: batching saves nothing there and each batched
   product's temporaries grow with it. On an accelerator every iteration of a loop costs a
@@ -27,16 +29,19 @@ per matrix:
 * **matrix size** enters only there. A loop reads its matrices in place (``lax.switch`` on
   the iteration picks them), so stacking copies nothing on the way in; on the way out the
   loop's stacked result is sliced into the leaves, one pass over each matrix against
-  Newton–Schulz's ``O(steps min(m, n))`` operations per element.
+  Newton–Schulz's ``O(steps min(m, n))`` operations per element. The slices' offsets reach
+  XLA as operands, not constants (``_opaque``), so that every leaf of a shape shares one
+  compiled kernel.
 
 The loops run one after another, each waiting for the previous one's results
 (``_util.sequence.after``). Their stacked results are the default's extra temporary memory: at
 most one copy of the stacked matrices' updates (XLA keeps them until the leaves are
-finished). Grouping changes the results by rounding only: the same products run inside a loop,
-but XLA may fuse the elementwise direction differently in a loop's branch than in a single call,
-and XLA:CPU may contract a multiply-add into an FMA in one and not the other, which Newton–Schulz
-amplifies (measured on XLA:CPU: 0 ulps in a jitted update; a probe found 35 ulps of a leaf's
-largest entry with the optimizer built inside an outer jit; ``tests/test_ns_batching.py`` bounds it).
+finished); ``step``'s per-matrix outputs (scales) add a few numbers per matrix. Grouping
+changes the results by rounding only: the same products run inside a loop, but XLA may fuse
+the elementwise direction differently in a loop's body than in a single call, and XLA:CPU may
+contract a multiply-add into an FMA in one and not the other, which Newton–Schulz amplifies
+(measured on XLA:CPU: 0 ulps in a jitted update; a probe found 35 ulps of a leaf's largest
+entry with the optimizer built inside an outer jit; ``tests/test_ns_batching.py`` bounds it).
 
 ``ns_batch=k`` keeps the rule it always had: same-shaped matrices (tall ones transposed to
 join the wide ones of their size) in leaf order, in calls of
@@ -52,11 +57,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from .newton_schulz import newton_schulz, ns_flops
 from .._util import after, from_matrices, to_matrices
 
-STACKS = 8  # a shape's matrices go into at most this many stacks
+STACKS = 2  # a shape's matrices go into at most this many stacks
 MIN_STACK = 8  # fewer matrices of a shape than this are not stacked
 CALL_FLOPS = 2.0**40  # on accelerators, the Newton–Schulz FLOPs of one batched call (at least)
 
@@ -109,22 +115,32 @@ def per_call(m: int, n: int, size: int, ns_kwargs: dict) -> int:
   return max(1, min(size, int(CALL_FLOPS // max(1, ns_flops((m, n), **kw)))))
 
 
-def orthogonalize_leaves(gs: list, ms: list, specs: list, direction: Callable, finish: Callable, *,
-                         batch: int | None, **ns_kwargs: Any) -> list:
-  """``finish(i, NewtonSchulz(direction(i, g_i, m_i)))`` for every leaf pair ``(g_i, m_i)``.
+def orthogonalize_leaves(gs: list, states: list, specs: list, step: Callable, finish: Callable, *,
+                         batch: int | None, **ns_kwargs: Any) -> tuple[list, list]:
+  """``finish(i, NewtonSchulz(d_i))`` for every leaf ``g_i``, ``(d_i, new_i) = step(g_i, *states[i])``.
 
+  ``states[i]`` is a tuple of leaf ``i``'s arrays read by ``step`` (the momentum and its
+  scale), each of the leaf's rank (size 1 on the matrix axes for a per-matrix scalar);
+  ``step`` takes them as ``(count, rows, cols)`` matrices (``to_matrices``), ``(count, 1,
+  1)`` for a per-matrix scalar, and returns the direction and a tuple of new arrays, each
+  of one of those two shapes (or ``()``). ``step`` runs inside a stack's loop, once per
+  loop, not once per leaf: what it computes per matrix (the momentum's scale) compiles
+  once per stack.
   ``specs[i]`` is leaf ``i``'s ``(batch, fan_in, fan_out)`` axes; ``batch`` is ``ns_batch``
   (``None``: the default grouping of the module docstring). The calls (or stacks) run one
-  after another, each waiting for the previous one's finished leaves.
+  after another, each waiting for the previous one's results. Returns the finished leaves
+  and, per leaf, ``step``'s new arrays with the leaf's rank (the leaf's shape, or size 1 on
+  its matrix axes).
   """
   # ns_batch > 1 groups tall matrices with the wide ones of their shape (transposed); the
   # default keeps each as stored (``newton_schulz`` takes a tall one as it is, with no copy)
   wide = batch is not None and batch > 1
   keys, counts, tall = [], [], []
-  for g, (b, fi, fo) in zip(gs, specs):
+  for g, st, (b, fi, fo) in zip(gs, states, specs):
     r = math.prod(g.shape[a] for a in fi)
     c = math.prod(g.shape[a] for a in fo)
-    keys.append((min(r, c), max(r, c), jnp.result_type(g)) if wide else (r, c, jnp.result_type(g)))
+    kinds = tuple((x.dtype, tuple(x.shape[a] for a in fi + fo)) for x in st)
+    keys.append(((min(r, c), max(r, c)) if wide else (r, c)) + (jnp.result_type(g), kinds))
     counts.append(math.prod(g.shape[a] for a in b))
     tall.append(r > c)
   # The default never slices a stack: a leaf of several matrices is one unit (a batched call
@@ -133,71 +149,118 @@ def orthogonalize_leaves(gs: list, ms: list, specs: list, direction: Callable, f
   units = [1 if w else c for w, c in zip(whole, counts)]
   keys = [k + ((counts[i],) if whole[i] else ()) for i, k in enumerate(keys)]
 
+  per_matrix = [tuple(1 if a in fi + fo else n for a, n in enumerate(g.shape)) for g, (_, fi, fo) in zip(gs, specs)]
+
   def ns(x):
     return newton_schulz(x, **ns_kwargs)
 
-  result = [None] * len(gs)
-  prev: list = []
+  def mats(i, x):
+    return to_matrices(x, *specs[i], transpose=wide and tall[i])
+
+  def leaf(i, w, shape):
+    return from_matrices(w, shape, *specs[i], transpose=wide and tall[i])
+
+  result, new_states = [None] * len(gs), [None] * len(gs)
+  done: list = []  # the previous call's results: the next call waits for them
   for chunk in plan_calls(keys, units, batch):
-    raw = [(gs[i], ms[i]) for i in chunk]
-    done = [result[i] for i in prev]
+    raw = [(gs[i], states[i]) for i in chunk]
     looped = batch is None and len(chunk) > 1
     if done and not looped:  # wait for the previous call (see the docstring)
       raw = after(raw, done)
-    sources = [lambda i=i, g=g, m=m: to_matrices(direction(i, g, m), *specs[i], transpose=wide and tall[i])
-               for i, (g, m) in zip(chunk, raw)]
     if not looped:
-      x = sources[0]() if len(chunk) == 1 else jnp.concatenate([f() for f in sources], axis=0)
+      stepped = [step(mats(i, g), *(mats(i, x) for x in st)) for i, (g, st) in zip(chunk, raw)]
+      x = stepped[0][0] if len(chunk) == 1 else jnp.concatenate([d for d, _ in stepped], axis=0)
       k = batch if batch is not None else per_call(x.shape[1], x.shape[2], x.shape[0], ns_kwargs)
       out = ns(x) if x.shape[0] <= k or whole[chunk[0]] else jax.lax.map(ns, x, batch_size=k)
+      news = [new for _, new in stepped]
     else:
-      out = _loop(sources, [counts[i] for i in chunk], ns, ns_kwargs, done, whole=whole[chunk[0]])
+      # the matrices are read in place, each in its own branch; per-matrix scalars (the
+      # momentum's scales) are gathered into one small array per loop
+      small = [a.shape[1:] == (1, 1) for a in jax.eval_shape(lambda: [mats(chunk[0], x) for x in raw[0][1]])]
+      sources = [lambda i=i, g=g, st=st: (mats(i, g),) + tuple(mats(i, x) for x, t in zip(st, small) if not t)
+                 for i, (g, st) in zip(chunk, raw)]
+      gathered = [[mats(i, st[a]) for i, (_, st) in zip(chunk, raw)] for a, t in enumerate(small) if t]
+      out, stacked = _loop(sources, gathered, small, ns, step, ns_kwargs, done, whole=whole[chunk[0]])
+      offsets = _opaque(out, [sum(counts[i] for i in chunk[:j]) for j in range(len(chunk))])
     start = 0
-    for i in chunk:
-      result[i] = finish(i, from_matrices(out[start:start + counts[i]], gs[i].shape, *specs[i],
-                                          transpose=wide and tall[i]))
-      start += counts[i]
-    prev = chunk
-  return result
+    for j, i in enumerate(chunk):
+      c = counts[i]
+      if len(chunk) == 1:
+        cut = lambda y: y  # noqa: E731
+      elif looped:
+        cut = lambda y: lax.dynamic_slice_in_dim(y, offsets[j], c, allow_negative_indices=False)  # noqa: E731
+      else:
+        cut = lambda y: lax.slice_in_dim(y, start, start + c)  # noqa: E731
+      result[i] = finish(i, leaf(i, cut(out), gs[i].shape))
+      new = news[j] if not looped else tuple(cut(y) for y in stacked)
+      new_states[i] = tuple(leaf(i, y, gs[i].shape if y.shape[1:] != (1, 1) else per_matrix[i]) for y in new)
+      start += c
+    done = [out]
+  return result, new_states
 
 
-def _loop(sources: list[Callable], counts: list[int], ns: Callable, ns_kwargs: dict, done: list, *,
-          whole: bool = False) -> jax.Array:
-  """``ns`` of the matrices of several leaves, ``(total, m, n)``, by one loop with one body.
+def _loop(sources: list[Callable], gathered: list[list], small: list[bool], ns: Callable, step: Callable,
+          ns_kwargs: dict, done: list, *, whole: bool) -> tuple[jax.Array, tuple]:
+  """``ns`` of the directions of several leaves, by one loop with one body, and ``step``'s new arrays.
 
-  Iteration ``j`` picks its matrices with ``lax.switch`` over branches that each compute
-  their leaves' directions (``sources``, sliced before the arithmetic, so a branch reads
-  only its own matrices): no stacked copy of the inputs is made. The results are the scan's
-  stacked output. The loop waits for ``done`` (the previous call's results) through its
-  indices: the inputs are read inside the loop only, so one tie per loop does what
-  ``after`` does per leaf elsewhere. ``whole``: each iteration takes one whole leaf (stacks of
-  one shape), never a matrix sliced out of a stack, so that a stack's sharding stays.
+  ``sources`` give each leaf's gradient and full-size state as matrices: one matrix each
+  (``(1, rows, cols)``), or, with ``whole``, one stack each, all of one shape. ``gathered``
+  holds, per state marked ``small``, every leaf's per-matrix scalars (``(count, 1, 1)``).
+  Iteration ``j`` picks its leaves' matrices with ``lax.switch`` over branches that each
+  read only their own leaves: no stacked copy of the inputs is made. The small states are
+  concatenated (a few numbers per matrix) and sliced by ``j``. ``step`` and ``ns`` run in the
+  loop's body, so each is compiled once per loop, not once per leaf. Returns the scan's
+  stacked outputs, leaf after leaf (``(total, rows, cols)``, and ``step``'s new arrays the
+  same way). The loop waits for ``done`` (the previous call's results) through its indices:
+  the inputs are read inside the loop only, so one tie per loop does what ``after`` does per
+  leaf elsewhere. With ``whole`` each iteration takes one whole leaf, never a matrix sliced
+  out of a stack, so that a stack's sharding stays.
   """
-  where = [(f, slice(None)) for f in sources] if whole else [(f, k) for f, c in zip(sources, counts) for k in range(c)]
-  first = jax.eval_shape(sources[0])
-  shape, dtype = (first.shape if whole else first.shape[1:]), first.dtype
-  k = 1 if whole else per_call(shape[0], shape[1], len(where), ns_kwargs)
-  steps = -(-len(where) // k)
+  first = jax.eval_shape(sources[0])[0]
+  k = first.shape[0] if whole else per_call(first.shape[1], first.shape[2], len(sources), ns_kwargs)
+  per = 1 if whole else k  # leaves per iteration
+  steps = -(-len(sources) // per)
+  pad = steps * per - len(sources)  # the last iteration's padding: copies of its first leaf, dropped after
+  gathered = [lax.concatenate(xs + [xs[(steps - 1) * per]] * pad, 0) for xs in gathered]
 
   def branch(j):
-    picks = where[j * k:(j + 1) * k]
+    picks = sources[j * per:(j + 1) * per]
 
     def pick():
-      if whole:
-        return picks[0][0]()
-      xs = [f()[c] for f, c in picks]
-      xs += [jnp.zeros(shape, dtype)] * (k - len(xs))  # the last iteration's padding (Newton–Schulz of 0 is 0)
-      return jnp.stack(xs)
+      xs = [f() for f in picks]
+      xs += [xs[0]] * (per - len(xs))
+      return xs[0] if per == 1 else tuple(lax.concatenate(col, 0) for col in zip(*xs))
 
     return pick
 
   branches = [branch(j) for j in range(steps)]
 
   def body(carry, j):
-    return carry, ns(jax.lax.switch(j, branches))
+    picked = iter(lax.switch(j, branches))
+    g = next(picked)
+    scalars = iter([lax.dynamic_slice_in_dim(y, j * k, k, allow_negative_indices=False) for y in gathered])
+    d, new = step(g, *(next(scalars) if t else next(picked) for t in small))
+    return carry, (ns(d), tuple(new))
 
   index = jnp.arange(steps)
-  _, out = jax.lax.scan(body, None, after(index, done) if done else index)
-  if whole:
-    return out.reshape((-1,) + shape[1:])
-  return out.reshape((steps * k,) + shape)[:len(where)]
+  _, stacked = lax.scan(body, None, after(index, done) if done else index)
+  out, new = jax.tree.map(lambda y: lax.reshape(y, (y.shape[0] * y.shape[1],) + y.shape[2:]), stacked)
+  return out, new
+
+
+def _opaque(x: jax.Array, values: list[int]) -> tuple[jax.Array, ...]:
+  """``values`` as int32 scalars that XLA cannot fold into constants: a stack's slice offsets.
+
+  XLA:CPU compiles one kernel per distinct fused computation and reuses it for identical ones.
+  A leaf's slice of its stack's results, fused into the leaf's finishing, holds its offset:
+  a constant makes every leaf's kernel its own (one per offset and shape, compiled for tens
+  of milliseconds each). Passed as operands, the offsets leave one kernel per shape. They
+  come out of a ``lax.cond`` whose two branches both return them, on a predicate that is
+  always true (a bit of ``x``'s first element OR 1) but that XLA does not evaluate.
+  """
+  bits = lax.bitcast_convert_type(x[(0,) * x.ndim], jnp.int32 if x.dtype.itemsize == 4 else
+                                  jnp.dtype(f"int{8 * x.dtype.itemsize}"))
+  known = lax.ne(lax.bitwise_or(bits, jnp.ones((), bits.dtype)), jnp.zeros((), bits.dtype))
+  consts = lambda: tuple(jnp.int32(v) for v in values)  # noqa: E731
+  return lax.cond(known, consts, consts)
+

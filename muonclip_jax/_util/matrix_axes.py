@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 
 
@@ -115,14 +116,15 @@ def to_matrices(x: jax.Array, batch: tuple[int, ...], fan_in: tuple[int, ...], f
 
   ``batch``, ``fan_in`` and ``fan_out`` are non-negative axes of ``x``
   (``MatrixAxes.resolve``): the batch axes are flattened into ``count``, the fan-in axes
-  into ``rows`` and the fan-out axes into ``cols``, each in the order given.
+  into ``rows`` and the fan-out axes into ``cols``, each in the order given. (In ``lax``:
+  it is traced once per leaf.)
   """
   perm = batch + fan_in + fan_out
-  moved = x if perm == tuple(range(x.ndim)) else jnp.transpose(x, perm)
+  moved = x if perm == tuple(range(x.ndim)) else lax.transpose(x, perm)
   rows = math.prod(x.shape[a] for a in fan_in)
   cols = math.prod(x.shape[a] for a in fan_out)
-  w = moved.reshape((math.prod(x.shape[a] for a in batch), rows, cols))
-  return jnp.swapaxes(w, -1, -2) if transpose else w
+  w = _reshaped(moved, (math.prod(x.shape[a] for a in batch), rows, cols))
+  return lax.transpose(w, (0, 2, 1)) if transpose else w
 
 
 def from_matrices(w: jax.Array, shape: tuple[int, ...], batch: tuple[int, ...], fan_in: tuple[int, ...],
@@ -130,8 +132,12 @@ def from_matrices(w: jax.Array, shape: tuple[int, ...], batch: tuple[int, ...], 
   """The inverse of ``to_matrices``: a stack of matrices back into a leaf of shape ``shape``."""
   perm = batch + fan_in + fan_out
   if transpose:
-    w = jnp.swapaxes(w, -1, -2)
-  out = w.reshape(tuple(shape[a] for a in perm))
+    w = lax.transpose(w, (0, 2, 1))
+  out = _reshaped(w, tuple(shape[a] for a in perm))
   if perm != tuple(range(len(shape))):
-    out = jnp.transpose(out, tuple(perm.index(a) for a in range(len(shape))))
+    out = lax.transpose(out, tuple(perm.index(a) for a in range(len(shape))))
   return out
+
+
+def _reshaped(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  return x if x.shape == shape else lax.reshape(x, shape)
