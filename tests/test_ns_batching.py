@@ -35,10 +35,12 @@ def test_few_matrices_of_a_shape_are_not_stacked():
   assert _plan([1] * (batching.MIN_STACK - 1)) == [[i] for i in range(batching.MIN_STACK - 1)]
 
 
-def test_stacks_are_at_most_half_of_a_shape_and_at_least_eight():
+def test_stacks_are_at_most_half_of_a_shape_at_least_eight_and_at_most_96():
   assert [len(c) for c in _plan([1] * 12)] == [8, 4]  # max(8, 12 / 2)
   assert [len(c) for c in _plan([1] * 48)] == [24] * 2  # 48 / 2: the number of loops stops growing
   assert [len(c) for c in _plan([1] * 101)] == [51, 50]
+  # thousands of separate expert leaves: loops of MAX_STACK, not two loops of thousands of branches
+  assert [len(c) for c in _plan([1] * 300)] == [96, 96, 96, 12]
 
 
 def test_a_leaf_is_never_cut_and_stacks_follow_the_leaves():

@@ -91,9 +91,10 @@ def rescale(ms: list, gs: list, ss: list) -> list[tuple[jax.Array, jax.Array]]:
   bits (``_power_of_two_below``) and a select. Under the default grouping it runs in each
   stack's loop (``_orthogonalize.batching``), compiled once per stack: traced once per leaf
   of a deep unscanned model (hundreds of leaves), such scalar code multiplied the update's
-  compile time (``benchmarks/RESULTS.md``, "The scaled momentum's compile time"). The
-  momentum stored in the state is then ``beta times(m, s / s_new) + times(g, 1 / s_new)``,
-  leaf by leaf: the same values (``times`` by 1 is exact).
+  compile time (``benchmarks/RESULTS.md``, "The scaled momentum's compile time" and "The
+  scales in the loops"). The momentum stored in the state is then ``beta times(m, s / s_new)
+  + times(g, 1 / s_new)``, leaf by leaf: while the scale stays 1, ``beta m + g`` (``times``
+  by 1 is exact).
   """
   out = []
   for m, g, s in zip(ms, gs, ss):

@@ -9,12 +9,14 @@ computes per matrix before Newton–Schulz (``step``: Muon's momentum scale and 
 in that body too, compiled once per stack:
 
 * **count:** a shape with fewer than ``MIN_STACK`` matrices is not stacked (the few calls it
-  saves do not pay for the loop); otherwise its matrices are cut, in leaf order, into at most
-  ``STACKS`` stacks of ``max(MIN_STACK, ceil(count / STACKS))`` matrices (a leaf is never
-  cut: a stacked leaf with more matrices is a stack of its own). The number of loops
-  therefore does not grow with depth. Two per shape compiled fastest on a 48- and a 96-layer
-  model (``benchmarks/RESULTS.md``): each loop adds a Newton–Schulz body, and a loop of
-  ``n`` matrices compiles in time growing as ``n^2`` (its ``lax.switch`` has ``n`` branches).
+  saves do not pay for the loop); otherwise its matrices are cut, in leaf order, into stacks
+  of ``max(MIN_STACK, min(MAX_STACK, ceil(count / STACKS)))`` matrices (a leaf is never cut:
+  a stacked leaf with more matrices is a stack of its own): ``STACKS`` stacks up to
+  ``STACKS * MAX_STACK`` matrices of a shape, then more stacks of ``MAX_STACK``. Each loop
+  adds a Newton–Schulz body, and a loop of ``n`` matrices compiles in time growing as
+  ``n^2`` (its ``lax.switch`` has ``n`` branches): two per shape compiled fastest on a 48-
+  and a 96-layer model (``benchmarks/RESULTS.md``), and the cap keeps thousands of separate
+  expert leaves from making one loop of thousands of branches.
 * **backend:** each iteration of a stack's loop orthogonalizes ``per_call`` matrices in one
   batched call. On a CPU ``per_call`` is 1: batching saves nothing there and each batched
   product's temporaries grow with it. On an accelerator every iteration of a loop costs a
@@ -62,7 +64,8 @@ from jax import lax
 from .newton_schulz import newton_schulz, ns_flops
 from .._util import after, from_matrices, to_matrices
 
-STACKS = 2  # a shape's matrices go into at most this many stacks
+STACKS = 2  # a shape's matrices go into this many stacks, unless they would be longer than MAX_STACK
+MAX_STACK = 96  # matrices per stack, at most (a loop's compile time grows as the square of its length)
 MIN_STACK = 8  # fewer matrices of a shape than this are not stacked
 CALL_FLOPS = 2.0**40  # on accelerators, the Newton–Schulz FLOPs of one batched call (at least)
 
@@ -94,7 +97,7 @@ def plan_calls(keys: list, counts: list[int], batch: int | None) -> list[list[in
     if total < MIN_STACK:
       chunks.extend([i] for i in members)
       continue
-    size, cur = max(MIN_STACK, -(-total // STACKS)), []
+    size, cur = max(MIN_STACK, min(MAX_STACK, -(-total // STACKS))), []
     for i in members:
       if cur and sum(counts[j] for j in cur) + counts[i] > size:
         chunks.append(cur)
@@ -181,7 +184,9 @@ def orthogonalize_leaves(gs: list, states: list, specs: list, step: Callable, fi
                  for i, (g, st) in zip(chunk, raw)]
       gathered = [[mats(i, st[a]) for i, (_, st) in zip(chunk, raw)] for a, t in enumerate(small) if t]
       out, stacked = _loop(sources, gathered, small, ns, step, ns_kwargs, done, whole=whole[chunk[0]])
-      offsets = _opaque(out, [sum(counts[i] for i in chunk[:j]) for j in range(len(chunk))])
+      offsets = [sum(counts[i] for i in chunk[:j]) for j in range(len(chunk))]
+      if jax.default_backend() == "cpu":  # see _opaque
+        offsets = _opaque(out, offsets)
     start = 0
     for j, i in enumerate(chunk):
       c = counts[i]
@@ -256,7 +261,10 @@ def _opaque(x: jax.Array, values: list[int]) -> tuple[jax.Array, ...]:
   a constant makes every leaf's kernel its own (one per offset and shape, compiled for tens
   of milliseconds each). Passed as operands, the offsets leave one kernel per shape. They
   come out of a ``lax.cond`` whose two branches both return them, on a predicate that is
-  always true (a bit of ``x``'s first element OR 1) but that XLA does not evaluate.
+  always true (a bit of ``x``'s first element OR 1) but that XLA does not evaluate. Used on
+  the CPU only, where a conditional runs on the host anyway: on a GPU XLA reads a
+  conditional's predicate back to the host, a wait in every step, so there the offsets stay
+  constants (the same slices).
   """
   bits = lax.bitcast_convert_type(x[(0,) * x.ndim], jnp.int32 if x.dtype.itemsize == 4 else
                                   jnp.dtype(f"int{8 * x.dtype.itemsize}"))
