@@ -154,10 +154,11 @@ def scale_by_muon(
   both measured against ``optax.contrib.muon`` (bands, FLOPs, time, memory).
 
   Same-shaped matrices (rows, columns, dtype) are stacked and orthogonalized by one loop per
-  stack, so that the number of Newton–Schulz bodies in the program does not grow with depth:
-  a shape with fewer than 8 matrices is not stacked; otherwise its matrices go, in leaf
-  order, into at most 2 stacks of ``max(8, ceil(count / 2))``. Each loop iteration is one batched call of
-  one matrix on a CPU (where batching saves nothing), and on an accelerator of as many
+  stack, so that the number of Newton–Schulz bodies in the program grows with depth only past
+  192 matrices of a shape: a shape with fewer than 8 matrices is not stacked; otherwise its
+  matrices go, in leaf order, into stacks of ``max(8, min(96, ceil(count / 2)))``. Each loop
+  iteration is one batched call of one matrix on a CPU (where batching saves nothing), and on
+  an accelerator of as many
   matrices as make ``2^40`` Newton–Schulz FLOPs (about a millisecond of an H100), so that
   the loop's overhead per iteration stays small. The loops read the leaves in place (no stacked copy of the inputs)
   and run one after another; their stacked results are the default's extra temporary

@@ -266,8 +266,7 @@ def _opaque(x: jax.Array, values: list[int]) -> tuple[jax.Array, ...]:
   conditional's predicate back to the host, a wait in every step, so there the offsets stay
   constants (the same slices).
   """
-  bits = lax.bitcast_convert_type(x[(0,) * x.ndim], jnp.int32 if x.dtype.itemsize == 4 else
-                                  jnp.dtype(f"int{8 * x.dtype.itemsize}"))
+  bits = lax.bitcast_convert_type(x[(0,) * x.ndim], jnp.dtype(f"int{8 * x.dtype.itemsize}"))
   known = lax.ne(lax.bitwise_or(bits, jnp.ones((), bits.dtype)), jnp.zeros((), bits.dtype))
   consts = lambda: tuple(jnp.int32(v) for v in values)  # noqa: E731
   return lax.cond(known, consts, consts)
