@@ -483,10 +483,9 @@ def test_a_constant_huge_gradient_never_overflows_the_momentum(mu_dtype):
 
 @pytest.mark.parametrize("mu_dtype", [jnp.float32, jnp.bfloat16])
 def test_while_the_scale_is_one_the_stored_momentum_is_the_plain_formula(mu_dtype):
-  """The default computes each stack's scales in its loop and the stored momentum leaf by leaf,
-  as ``beta (m c) + g / s`` with ``c = s / s_new``: while the scale stays 1 that is
-  ``beta m + g`` bit for bit (the promised identity, checked inside one program: nine leaves
-  that share a loop, one that does not)."""
+  """The default computes each stack's momentum in its loop, ``beta (m c) + g / s_new`` with
+  ``c = s / s_new``: while the scale stays 1 that is ``beta m + g`` bit for bit (the promised
+  identity, checked inside one program: nine leaves that share a loop, one that does not)."""
   rng = np.random.default_rng(3)
   shapes = {**{f"w{i}": (8, 16) for i in range(9)}, "x": (16, 4)}
   g1, g2 = ({k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()} for _ in range(2))
@@ -543,9 +542,9 @@ def test_the_update_compiles_to_few_instructions_per_leaf():
   count: XLA's optimized HLO instructions that more layers add, per matrix leaf, against
   ``optax.adamw``'s on the same tree (16 and 32 layers: every shape stacked, as many loops at
   both depths). Per-leaf code (the momentum's scale in particular) is what made the update
-  compile slowly. Measured on this tree (JAX 0.10.2 and 0.12): 1.27x AdamW's 50; 3.05x
-  before the scales and directions moved into the stacks' loops (``frexp``/``ldexp`` per
-  leaf were more)."""
+  compile slowly. Measured on this tree (JAX 0.10.2): 0.99x AdamW's 50; 1.27x while the
+  stored momentum was computed leaf by leaf outside the loops, 3.05x before the scales and
+  directions moved into the loops (``frexp``/``ldexp`` per leaf were more)."""
   import re
 
   def per_leaf(make):
@@ -559,7 +558,7 @@ def test_the_update_compiles_to_few_instructions_per_leaf():
     return (counts[1] - counts[0]) / 64
 
   adamw, muon = per_leaf(lambda: optax.adamw(1e-3)), per_leaf(lambda: mc.muon_adamw(1e-3))
-  assert muon <= 1.6 * adamw, (muon, adamw)
+  assert muon <= 1.2 * adamw, (muon, adamw)
 
 
 def test_float16_adam_leaves_with_an_eps_that_underflows_are_refused_at_init():

@@ -130,14 +130,17 @@ def test_per_head_blocks_under_the_default():
 
 
 def test_temporaries():
-  """The default's temporaries: the stacks' results, at most every stacked matrix once (not
-  the copies of the inputs, not the Newton–Schulz temporaries of more than one call);
-  ``ns_batch=1`` keeps one matrix's."""
-  def temp(n, **kw):
-    g = {f"w{i}": jnp.ones((128, 512)) if i % 2 else jnp.ones((512, 128)) for i in range(n)}
+  """The default's temporaries: each loop's results (the Newton–Schulz results and the new
+  momentum of its matrices), at most two consecutive loops' at a time (a loop's buffers are
+  made when it runs), not every loop's, not copies of the inputs, not the Newton–Schulz
+  temporaries of more than one call; ``ns_batch=1`` keeps one matrix's."""
+  def temp(g, **kw):
     tx = mc.scale_by_muon(**kw)
     return jax.jit(tx.update).lower(g, tx.init(g)).compile().memory_analysis().temp_size_in_bytes
 
   matrix = 128 * 512 * 4
-  assert temp(16) <= (16 + 3) * matrix  # two loops of 8
-  assert temp(16, ns_batch=1) <= 3 * matrix
+  shapes = [(128, 512), (512, 128), (256, 256), (64, 1024)]  # one loop of 8 matrices each
+  g = {f"w{i}": jnp.ones(shapes[i % 4]) for i in range(32)}
+  assert temp(g) <= (2 * 16 + 3) * matrix  # every loop's results at once: 64 matrices
+  g = {f"w{i}": jnp.ones((128, 512)) if i % 2 else jnp.ones((512, 128)) for i in range(16)}
+  assert temp(g, ns_batch=1) <= 3 * matrix

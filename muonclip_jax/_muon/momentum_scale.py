@@ -4,8 +4,7 @@ Finite gradients never overflow the momentum or the direction: a constant gradie
 makes ``M_t`` pass float32's largest (it tends to ``G / (1 - mu)``), and ``G + mu M_t`` does
 from ``G`` ~ 1.8e38. ``scale_by_muon`` stores ``M_t / s_t`` (``ScaleByMuonState``), ``s_t`` a
 power of two >= 1 per matrix (one per leaf, one per layer or expert of a stack: ``scale_shape``)
-chosen at each step by ``rescale``; ``in_units`` reads a gradient in those units, and
-``times`` multiplies by a power of two per matrix.
+chosen at each step by ``rescale``; ``in_units`` reads a gradient in those units.
 """
 
 from __future__ import annotations
@@ -50,12 +49,6 @@ def rounded(x: jax.Array) -> jax.Array:
   return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
-def times(x: jax.Array, c: jax.Array) -> jax.Array:
-  """``x c`` for a power of two ``c`` per matrix: exact (but for entries pushed below the
-  smallest normal), and ``x`` itself, bit for bit, for ``c = 1``."""
-  return lax.mul(x.astype(c.dtype), _spread(c, x.shape)).astype(x.dtype)
-
-
 def _spread(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   """A per-matrix ``x`` (the leaf's rank, size 1 on its matrix axes) broadcast to ``shape``; a
   per-leaf scalar as it is (``lax`` takes a scalar operand as it is)."""
@@ -92,9 +85,8 @@ def rescale(ms: list, gs: list, ss: list) -> list[tuple[jax.Array, jax.Array]]:
   stack's loop (``_orthogonalize.batching``), compiled once per stack: traced once per leaf
   of a deep unscanned model (hundreds of leaves), such scalar code multiplied the update's
   compile time (``benchmarks/RESULTS.md``, "The scaled momentum's compile time" and "The
-  scales in the loops"). The momentum stored in the state is then ``beta times(m, s / s_new)
-  + times(g, 1 / s_new)``, leaf by leaf: while the scale stays 1, ``beta m + g`` (``times``
-  by 1 is exact).
+  scales in the loops"); the new momentum is computed there too, and returned sliced into
+  the leaves.
   """
   out = []
   for m, g, s in zip(ms, gs, ss):

@@ -45,7 +45,7 @@ from .._orthogonalize import (check_target, orthogonalize_leaves, orthogonalize_
 from .block_orthogonalize import orthogonalize_blocks
 from .layout_matrices import check_blocks, muon_blocks_lookup
 from .blocks import piece_dims
-from .momentum_scale import in_units, rounded, times, rescale, scale_dtype, scale_shape
+from .momentum_scale import in_units, rounded, rescale, scale_dtype, scale_shape
 from .._clip import LayoutSpec, report_layout
 
 RMS_MODES = ("moonlight", "keller", None)
@@ -160,9 +160,11 @@ def scale_by_muon(
   iteration is one batched call of one matrix on a CPU (where batching saves nothing), and on
   an accelerator of as many
   matrices as make ``2^40`` Newton–Schulz FLOPs (about a millisecond of an H100), so that
-  the loop's overhead per iteration stays small. The loops read the leaves in place (no stacked copy of the inputs)
-  and run one after another; their stacked results are the default's extra temporary
-  memory, at most one copy of the stacked matrices' updates. A stacked leaf (scanned layers,
+  the loop's overhead per iteration stays small. A loop computes its matrices' new momentum
+  and direction too (once per loop, not per leaf). The loops read the leaves in place (no
+  stacked copy of the inputs) and run one after another; their stacked results (updates and
+  new momentum) are the default's extra temporary memory, at most two consecutive loops'
+  (each allocated when its loop runs). A stacked leaf (scanned layers,
   an expert stack) is never sliced by the default: it is one batched call, and same-shaped
   stacks share a loop whose step is one whole stack, so a stack sharded on its stack axis is
   orthogonalized where it lives (its temporaries are the whole stack's, per device its
@@ -403,9 +405,9 @@ def scale_by_muon(
       m = combine(m, in_units(g, s))
       return direction(g, m, s), m, s
 
-    def step(g, m, s):  # in a stack's loop: the direction, the new scale and the powers of two of the momentum
-      d, _, s_new = momentum(g, m, s)
-      return d, (s_new, lax.div(s, s_new), lax.div(jnp.ones((), s.dtype), s_new))
+    def step(g, m, s):  # in a stack's loop: the direction, the new momentum and its scale
+      d, m, s = momentum(g, m, s)
+      return d, (m, s)
 
     def finish(i, o):
       r = rms(specs[i][3], specs[i][4])
@@ -417,14 +419,11 @@ def scale_by_muon(
     # each scale with its leaf's rank (size 1 on the matrix axes): it then reads as matrices do
     ranked = [s.reshape(s.shape or (1,) * g.ndim) for s, g in zip(old_scales, leaves)]
     if shard_orthogonalization is None and all(b.is_whole for b in blocks):
-      # the default: each stack's loop computes its matrices' scales and directions, then their
-      # Newton–Schulz. The stored momentum is computed here, leaf by leaf, from the loop's
-      # powers of two (the same values: ``times`` by 1 is exact); a loop's own momentum,
-      # sliced into the leaves, would be one more temporary copy of every stacked matrix.
+      # the default: each stack's loop computes its matrices' momentum, scales and directions,
+      # then their Newton–Schulz (``orthogonalize_leaves``)
       new, stepped = orthogonalize_leaves(leaves, list(zip(mus, ranked)), [sp[:3] for sp in specs], step, finish,
                                           batch=batch, **ns_kwargs)
-      scales = [s for s, _, _ in stepped]
-      flat_mu = [combine(times(m, c), times(g, inv)) for g, m, (_, c, inv) in zip(leaves, mus, stepped)]
+      flat_mu, scales = [m for m, _ in stepped], [s for _, s in stepped]
     else:
       stepped = [momentum(g, m, s) for g, m, s in zip(leaves, mus, ranked)]
       flat_mu, scales = [m for _, m, _ in stepped], [s for _, _, s in stepped]

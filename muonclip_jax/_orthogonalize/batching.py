@@ -36,9 +36,12 @@ in that body too, compiled once per stack:
   compiled kernel.
 
 The loops run one after another, each waiting for the previous one's results
-(``_util.sequence.after``). Their stacked results are the default's extra temporary memory: at
-most one copy of the stacked matrices' updates (XLA keeps them until the leaves are
-finished); ``step``'s per-matrix outputs (scales) add a few numbers per matrix. Grouping
+(``_util.sequence.after``). Their stacked results (Newton–Schulz's, and ``step``'s new arrays:
+Muon's new momentum, a few numbers per matrix for its scale) are the default's extra
+temporary memory. A loop's result buffers are made after the previous loop's results, so
+XLA allocates them when the loop runs: it keeps at most two consecutive loops' results (it
+slices a loop's into the leaves while the next one runs), not every loop's (which a scan's
+own buffers, allocated where XLA likes, let it do). Grouping
 changes the results by rounding only: the same products run inside a loop, but XLA may fuse
 the elementwise direction differently in a loop's body than in a single call, and XLA:CPU may
 contract a multiply-add into an FMA in one and not the other, which Newton–Schulz amplifies
@@ -214,11 +217,11 @@ def _loop(sources: list[Callable], gathered: list[list], small: list[bool], ns: 
   Iteration ``j`` picks its leaves' matrices with ``lax.switch`` over branches that each
   read only their own leaves: no stacked copy of the inputs is made. The small states are
   concatenated (a few numbers per matrix) and sliced by ``j``. ``step`` and ``ns`` run in the
-  loop's body, so each is compiled once per loop, not once per leaf. Returns the scan's
-  stacked outputs, leaf after leaf (``(total, rows, cols)``, and ``step``'s new arrays the
-  same way). The loop waits for ``done`` (the previous call's results) through its indices:
-  the inputs are read inside the loop only, so one tie per loop does what ``after`` does per
-  leaf elsewhere. With ``whole`` each iteration takes one whole leaf, never a matrix sliced
+  loop's body, so each is compiled once per loop, not once per leaf. Returns the loop's
+  stacked results, leaf after leaf (``(total, rows, cols)``, and ``step``'s new arrays the
+  same way). The loop waits for ``done`` (the previous call's results) through its result
+  buffers (see the module docstring): the inputs are read inside the loop only, so one tie
+  per loop does what ``after`` does per leaf elsewhere. With ``whole`` each iteration takes one whole leaf, never a matrix sliced
   out of a stack, so that a stack's sharding stays.
   """
   first = jax.eval_shape(sources[0])[0]
@@ -240,15 +243,23 @@ def _loop(sources: list[Callable], gathered: list[list], small: list[bool], ns: 
 
   branches = [branch(j) for j in range(steps)]
 
-  def body(carry, j):
-    picked = iter(lax.switch(j, branches))
+  def stepped(picked, scalars):  # step on one iteration's leaves (``picked``) and scalars
+    picked, scalars = iter(picked), iter(scalars)
     g = next(picked)
-    scalars = iter([lax.dynamic_slice_in_dim(y, j * k, k, allow_negative_indices=False) for y in gathered])
-    d, new = step(g, *(next(scalars) if t else next(picked) for t in small))
-    return carry, (ns(d), tuple(new))
+    return step(g, *(next(scalars) if t else next(picked) for t in small))
 
-  index = jnp.arange(steps)
-  _, stacked = lax.scan(body, None, after(index, done) if done else index)
+  def body(j, bufs):
+    d, new = stepped(lax.switch(j, branches),
+                     [lax.dynamic_slice_in_dim(y, j * k, k, allow_negative_indices=False) for y in gathered])
+    return jax.tree.map(lambda b, y: lax.dynamic_update_index_in_dim(b, y, j, 0), bufs, (ns(d), tuple(new)))
+
+  # The results' buffers (``ns`` keeps its input's shape and dtype), made after the previous
+  # call's results: XLA then allocates them when this loop runs. A scan's own buffers would
+  # let it allocate every loop's at the start, a copy of all the stacked matrices' results.
+  shaped = lambda xs: [jax.ShapeDtypeStruct((k,) + x.shape[1:], x.dtype) for x in xs]  # noqa: E731
+  bufs = jax.tree.map(lambda a: jnp.zeros((steps,) + a.shape, a.dtype),
+                      jax.eval_shape(stepped, shaped(jax.eval_shape(sources[0])), shaped(gathered)))
+  stacked = lax.fori_loop(0, steps, body, after(bufs, done) if done else bufs)
   out, new = jax.tree.map(lambda y: lax.reshape(y, (y.shape[0] * y.shape[1],) + y.shape[2:]), stacked)
   return out, new
 
@@ -270,4 +281,5 @@ def _opaque(x: jax.Array, values: list[int]) -> tuple[jax.Array, ...]:
   known = lax.ne(lax.bitwise_or(bits, jnp.ones((), bits.dtype)), jnp.zeros((), bits.dtype))
   consts = lambda: tuple(jnp.int32(v) for v in values)  # noqa: E731
   return lax.cond(known, consts, consts)
+
 
