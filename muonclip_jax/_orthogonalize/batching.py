@@ -221,8 +221,8 @@ def _loop(sources: list[Callable], gathered: list[list], small: list[bool], ns: 
   stacked results, leaf after leaf (``(total, rows, cols)``, and ``step``'s new arrays the
   same way). The loop waits for ``done`` (the previous call's results) through its result
   buffers (see the module docstring): the inputs are read inside the loop only, so one tie
-  per loop does what ``after`` does per leaf elsewhere. With ``whole`` each iteration takes one whole leaf, never a matrix sliced
-  out of a stack, so that a stack's sharding stays.
+  per loop does what ``after`` does per leaf elsewhere. With ``whole`` each iteration takes
+  one whole leaf, never a matrix sliced out of a stack, so that a stack's sharding stays.
   """
   first = jax.eval_shape(sources[0])[0]
   k = first.shape[0] if whole else per_call(first.shape[1], first.shape[2], len(sources), ns_kwargs)
@@ -281,5 +281,3 @@ def _opaque(x: jax.Array, values: list[int]) -> tuple[jax.Array, ...]:
   known = lax.ne(lax.bitwise_or(bits, jnp.ones((), bits.dtype)), jnp.zeros((), bits.dtype))
   consts = lambda: tuple(jnp.int32(v) for v in values)  # noqa: E731
   return lax.cond(known, consts, consts)
-
-
