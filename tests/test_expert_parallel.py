@@ -123,6 +123,32 @@ def test_sharded_update_equals_single_device_without_gathering_experts(mesh_name
   _check_gathers(compiled.as_text(), mesh, params, None if mode == "plain" else _plan(mesh, ps, params)[-1])
 
 
+def test_expert_stacks_that_share_a_loop_stay_sharded():
+  """Eight unscanned MoE layers' expert stacks of one shape share one of the default's loops
+  (one whole stack an iteration): with no ``out_shardings``, each leaf's update and new
+  momentum keep the expert sharding, no all-gather across the expert axis holds a stack, and
+  the update is the single-device one."""
+  mesh = _mesh("expert4xdata2")
+  rng = np.random.default_rng(1)
+  params = {f"layer_{i}": {"wi_0": jnp.asarray(rng.standard_normal((E, D, F)), jnp.float32)} for i in range(8)}
+  grads = jax.tree.map(lambda x: jnp.sin(3 * x), params)
+  names = jax.tree.map(lambda _: P("exp", "embed_no_exp", "mlp"), params)
+  ps = sharding.param_shardings(params, mesh, logical_axes=names)
+  opt = mc.scale_by_muon(matrix_axes=AXES)
+  ref = jax.device_get(jax.jit(opt.update)(grads, opt.init(params))[0])
+  sg = jax.device_put(grads, ps)
+  state = sharding.init_state(opt, jax.device_put(params, ps), ps)
+  compiled = jax.jit(opt.update).lower(sg, state).compile()
+  out, new = compiled(sg, state)
+  chex.assert_trees_all_close(jax.device_get(out), ref, atol=1e-5)
+  for x, s in zip(jax.tree.leaves(out) + jax.tree.leaves(new.mu), 2 * jax.tree.leaves(ps)):
+    assert x.sharding.is_equivalent_to(s, 3), (x.sharding, s)
+  slice_of = {int(d.id): int(np.argwhere(mesh.devices == d)[0][0]) for d in mesh.devices.flat}
+  for c in hlo_collectives.collectives(compiled.as_text(), 8):
+    if c.op == "all-gather" and any(len({slice_of[d] for d in g}) > 1 for g in c.groups):
+      assert c.elements < D * F, c  # not even one expert's matrix
+
+
 @pytest.fixture
 def unrolled(monkeypatch):
   """XLA's cost analysis counts a rolled loop's body once: unroll the Newton–Schulz loops."""

@@ -163,8 +163,8 @@ def scale_by_muon(
   the loop's overhead per iteration stays small. A loop computes its matrices' new momentum
   and direction too (once per loop, not per leaf). The loops read the leaves in place (no
   stacked copy of the inputs) and run one after another; their stacked results (updates and
-  new momentum) are the default's extra temporary memory, at most two consecutive loops'
-  (each allocated when its loop runs). A stacked leaf (scanned layers,
+  new momentum) are the default's extra temporary memory, each loop's allocated when it runs
+  (XLA:CPU kept two consecutive loops' at most, ``benchmarks/RESULTS.md``). A stacked leaf (scanned layers,
   an expert stack) is never sliced by the default: it is one batched call, and same-shaped
   stacks share a loop whose step is one whole stack, so a stack sharded on its stack axis is
   orthogonalized where it lives (its temporaries are the whole stack's, per device its

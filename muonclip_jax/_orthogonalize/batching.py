@@ -3,9 +3,9 @@
 A program with one Newton–Schulz call per matrix compiles in time proportional to the number
 of matrices: an unscanned 48-layer model has hundreds, and its update compiles ten times
 slower than AdamW's. Under the default (``ns_batch=None``) same-shaped matrices (same
-``rows x cols`` and dtype) are stacked and orthogonalized by one loop (``lax.scan``) over the
+``rows x cols`` and dtype) are stacked and orthogonalized by one loop (``lax.fori_loop``) over the
 stack, so the program holds one Newton–Schulz body per stack, not per matrix; what the caller
-computes per matrix before Newton–Schulz (``step``: Muon's momentum scale and direction) runs
+computes per matrix before Newton–Schulz (``step``: Muon's momentum and direction) runs
 in that body too, compiled once per stack:
 
 * **count:** a shape with fewer than ``MIN_STACK`` matrices is not stacked (the few calls it
@@ -39,9 +39,11 @@ The loops run one after another, each waiting for the previous one's results
 (``_util.sequence.after``). Their stacked results (Newton–Schulz's, and ``step``'s new arrays:
 Muon's new momentum, a few numbers per matrix for its scale) are the default's extra
 temporary memory. A loop's result buffers are made after the previous loop's results, so
-XLA allocates them when the loop runs: it keeps at most two consecutive loops' results (it
-slices a loop's into the leaves while the next one runs), not every loop's (which a scan's
-own buffers, allocated where XLA likes, let it do). Grouping
+XLA allocates them when the loop runs: XLA:CPU's scheduler then kept at most two consecutive
+loops' results (it slices a loop's into the leaves while the next one runs; measured, not
+forced), not every loop's (which a scan's own buffers, allocated where XLA likes, let it
+do). A loop of whole stacks returns them indexed by iteration, never merged with the loop's
+axis, so that a sharded stack's results stay sharded. Grouping
 changes the results by rounding only: the same products run inside a loop, but XLA may fuse
 the elementwise direction differently in a loop's body than in a single call, and XLA:CPU may
 contract a multiply-add into an FMA in one and not the other, which Newton–Schulz amplifies
@@ -187,7 +189,12 @@ def orthogonalize_leaves(gs: list, states: list, specs: list, step: Callable, fi
                  for i, (g, st) in zip(chunk, raw)]
       gathered = [[mats(i, st[a]) for i, (_, st) in zip(chunk, raw)] for a, t in enumerate(small) if t]
       out, stacked = _loop(sources, gathered, small, ns, step, ns_kwargs, done, whole=whole[chunk[0]])
-      offsets = [sum(counts[i] for i in chunk[:j]) for j in range(len(chunk))]
+      if whole[chunk[0]]:  # leaf j is iteration j: indexed, its stack axis never merged with the loop's
+        offsets = list(range(len(chunk)))  # (a sharded stack's results stay sharded)
+      else:
+        out, stacked = jax.tree.map(lambda y: lax.reshape(y, (y.shape[0] * y.shape[1],) + y.shape[2:]),
+                                    (out, stacked))
+        offsets = [sum(counts[i] for i in chunk[:j]) for j in range(len(chunk))]
       if jax.default_backend() == "cpu":  # see _opaque
         offsets = _opaque(out, offsets)
     start = 0
@@ -195,6 +202,9 @@ def orthogonalize_leaves(gs: list, states: list, specs: list, step: Callable, fi
       c = counts[i]
       if len(chunk) == 1:
         cut = lambda y: y  # noqa: E731
+      elif looped and whole[i]:
+        cut = lambda y: lax.dynamic_index_in_dim(y, offsets[j], keepdims=False,  # noqa: E731
+                                                 allow_negative_indices=False)
       elif looped:
         cut = lambda y: lax.dynamic_slice_in_dim(y, offsets[j], c, allow_negative_indices=False)  # noqa: E731
       else:
@@ -218,8 +228,8 @@ def _loop(sources: list[Callable], gathered: list[list], small: list[bool], ns: 
   read only their own leaves: no stacked copy of the inputs is made. The small states are
   concatenated (a few numbers per matrix) and sliced by ``j``. ``step`` and ``ns`` run in the
   loop's body, so each is compiled once per loop, not once per leaf. Returns the loop's
-  stacked results, leaf after leaf (``(total, rows, cols)``, and ``step``'s new arrays the
-  same way). The loop waits for ``done`` (the previous call's results) through its result
+  results, iteration after iteration (``(iterations, k, rows, cols)``, ``k`` the matrices
+  of an iteration), and ``step``'s new arrays the same way. The loop waits for ``done`` (the previous call's results) through its result
   buffers (see the module docstring): the inputs are read inside the loop only, so one tie
   per loop does what ``after`` does per leaf elsewhere. With ``whole`` each iteration takes
   one whole leaf, never a matrix sliced out of a stack, so that a stack's sharding stays.
@@ -257,11 +267,9 @@ def _loop(sources: list[Callable], gathered: list[list], small: list[bool], ns: 
   # call's results: XLA then allocates them when this loop runs. A scan's own buffers would
   # let it allocate every loop's at the start, a copy of all the stacked matrices' results.
   shaped = lambda xs: [jax.ShapeDtypeStruct((k,) + x.shape[1:], x.dtype) for x in xs]  # noqa: E731
-  bufs = jax.tree.map(lambda a: jnp.zeros((steps,) + a.shape, a.dtype),
-                      jax.eval_shape(stepped, shaped(jax.eval_shape(sources[0])), shaped(gathered)))
-  stacked = lax.fori_loop(0, steps, body, after(bufs, done) if done else bufs)
-  out, new = jax.tree.map(lambda y: lax.reshape(y, (y.shape[0] * y.shape[1],) + y.shape[2:]), stacked)
-  return out, new
+  d, new = jax.eval_shape(stepped, shaped(jax.eval_shape(sources[0])), shaped(gathered))
+  bufs = jax.tree.map(lambda a: jnp.zeros((steps,) + a.shape, a.dtype), (d, tuple(new)))
+  return lax.fori_loop(0, steps, body, after(bufs, done) if done else bufs)
 
 
 def _opaque(x: jax.Array, values: list[int]) -> tuple[jax.Array, ...]:
