@@ -400,14 +400,11 @@ def scale_by_muon(
       return rounded((beta * m + g).astype(m.dtype))
 
     def momentum(g, m, s):
-      """``(direction, M_t / s_t, s_t)`` of one leaf, or of matrices of one shape (``s``: per matrix)."""
+      """``(direction, (M_t / s_t, s_t))`` of one leaf, or of matrices of one shape (``s``: per
+      matrix); under the default, ``orthogonalize_leaves``'s ``step``, run in a stack's loop."""
       ((m, s),) = rescale([m], [g], [s])
       m = combine(m, in_units(g, s))
-      return direction(g, m, s), m, s
-
-    def step(g, m, s):  # in a stack's loop: the direction, the new momentum and its scale
-      d, m, s = momentum(g, m, s)
-      return d, (m, s)
+      return direction(g, m, s), (m, s)
 
     def finish(i, o):
       r = rms(specs[i][3], specs[i][4])
@@ -421,12 +418,12 @@ def scale_by_muon(
     if shard_orthogonalization is None and all(b.is_whole for b in blocks):
       # the default: each stack's loop computes its matrices' momentum, scales and directions,
       # then their Newton–Schulz (``orthogonalize_leaves``)
-      new, stepped = orthogonalize_leaves(leaves, list(zip(mus, ranked)), [sp[:3] for sp in specs], step, finish,
-                                          batch=batch, **ns_kwargs)
+      new, stepped = orthogonalize_leaves(leaves, list(zip(mus, ranked)), [sp[:3] for sp in specs], momentum,
+                                          finish, batch=batch, **ns_kwargs)
       flat_mu, scales = [m for m, _ in stepped], [s for _, s in stepped]
     else:
-      stepped = [momentum(g, m, s) for g, m, s in zip(leaves, mus, ranked)]
-      flat_mu, scales = [m for _, m, _ in stepped], [s for _, _, s in stepped]
+      stepped = [momentum(g, m, s)[1] for g, m, s in zip(leaves, mus, ranked)]
+      flat_mu, scales = [m for m, _ in stepped], [s for _, s in stepped]
       if any(not b.is_whole for b in blocks):  # per head or per part (muon_blocks)
         new = orthogonalize_blocks(leaves, flat_mu, scales, blocks, direction, rms, paths=paths, batch=batch,
                                    target=shard_orthogonalization, split=shard_split, ns_kwargs=ns_kwargs)

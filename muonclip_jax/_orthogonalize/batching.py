@@ -229,9 +229,10 @@ def _loop(sources: list[Callable], gathered: list[list], small: list[bool], ns: 
   concatenated (a few numbers per matrix) and sliced by ``j``. ``step`` and ``ns`` run in the
   loop's body, so each is compiled once per loop, not once per leaf. Returns the loop's
   results, iteration after iteration (``(iterations, k, rows, cols)``, ``k`` the matrices
-  of an iteration), and ``step``'s new arrays the same way. The loop waits for ``done`` (the previous call's results) through its result
-  buffers (see the module docstring): the inputs are read inside the loop only, so one tie
-  per loop does what ``after`` does per leaf elsewhere. With ``whole`` each iteration takes
+  of an iteration), and ``step``'s new arrays the same way. The loop waits for ``done`` (the
+  previous call's results) through its result buffers (see the module docstring): the inputs
+  are read inside the loop only, so one tie per loop does what ``after`` does per leaf
+  elsewhere. With ``whole`` each iteration takes
   one whole leaf, never a matrix sliced out of a stack, so that a stack's sharding stays.
   """
   first = jax.eval_shape(sources[0])[0]
