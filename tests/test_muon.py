@@ -542,7 +542,8 @@ def test_the_update_compiles_to_few_instructions_per_leaf():
   count: XLA's optimized HLO instructions that more layers add, per matrix leaf, against
   ``optax.adamw``'s on the same tree (16 and 32 layers: every shape stacked, as many loops at
   both depths). Per-leaf code (the momentum's scale in particular) is what made the update
-  compile slowly. Measured on this tree (JAX 0.10.2): 0.99x AdamW's 50; 1.27x while the
+  compile slowly. Measured on this tree (JAX 0.10.2 and 0.12): 0.75x AdamW's 50; 0.99x while
+  a loop read its matrices through a ``lax.switch`` of one branch per matrix, 1.27x while the
   stored momentum was computed leaf by leaf outside the loops, 3.05x before the scales and
   directions moved into the loops (``frexp``/``ldexp`` per leaf were more)."""
   import re
@@ -558,7 +559,7 @@ def test_the_update_compiles_to_few_instructions_per_leaf():
     return (counts[1] - counts[0]) / 64
 
   adamw, muon = per_leaf(lambda: optax.adamw(1e-3)), per_leaf(lambda: mc.muon_adamw(1e-3))
-  assert muon <= 1.2 * adamw, (muon, adamw)
+  assert muon <= 0.9 * adamw, (muon, adamw)
 
 
 def test_float16_adam_leaves_with_an_eps_that_underflows_are_refused_at_init():

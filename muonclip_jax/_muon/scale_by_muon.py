@@ -161,10 +161,10 @@ def scale_by_muon(
   an accelerator of as many
   matrices as make ``2^40`` Newton–Schulz FLOPs (about a millisecond of an H100), so that
   the loop's overhead per iteration stays small. A loop computes its matrices' new momentum
-  and direction too (once per loop, not per leaf). The loops read the leaves in place (no
-  stacked copy of the inputs) and run one after another; their stacked results (updates and
-  new momentum) are the default's extra temporary memory, each loop's allocated when it runs
-  (XLA:CPU kept two consecutive loops' at most, ``benchmarks/RESULTS.md``). A stacked leaf (scanned layers,
+  and direction too (once per loop, not per leaf). The loops run one after another, each on
+  a stacked copy of its matrices and their momentum, which its results overwrite: these
+  stacks are the default's extra temporary memory, each loop's made when it runs (XLA:CPU
+  kept two consecutive loops' at most, ``benchmarks/RESULTS.md``). A stacked leaf (scanned layers,
   an expert stack) is never sliced by the default: it is one batched call, and same-shaped
   stacks share a loop whose step is one whole stack, so a stack sharded on its stack axis is
   orthogonalized where it lives (its temporaries are the whole stack's, per device its

@@ -13,10 +13,11 @@ in that body too, compiled once per stack:
   of ``max(MIN_STACK, min(MAX_STACK, ceil(count / STACKS)))`` matrices (a leaf is never cut:
   a stacked leaf with more matrices is a stack of its own): ``STACKS`` stacks up to
   ``STACKS * MAX_STACK`` matrices of a shape, then more stacks of ``MAX_STACK``. Each loop
-  adds a Newton–Schulz body, and a loop of ``n`` matrices compiles in time growing as
-  ``n^2`` (its ``lax.switch`` has ``n`` branches): two per shape compiled fastest on a 48-
-  and a 96-layer model (``benchmarks/RESULTS.md``), and the cap keeps thousands of separate
-  expert leaves from making one loop of thousands of branches.
+  adds a Newton–Schulz body to the program (a tenth of a second or more of XLA:CPU's compile),
+  and a loop's stacks are the update's temporary memory (see below): fewer, longer loops
+  compile faster and hold more. Two per shape is the trade measured in
+  ``benchmarks/RESULTS.md``; the cap keeps thousands of separate expert leaves from making
+  one stack of thousands of matrices.
 * **backend:** each iteration of a stack's loop orthogonalizes ``per_call`` matrices in one
   batched call. On a CPU ``per_call`` is 1: batching saves nothing there and each batched
   product's temporaries grow with it. On an accelerator every iteration of a loop costs a
@@ -28,23 +29,21 @@ in that body too, compiled once per stack:
   one whole stack. XLA then partitions a stack along its sharded stack axis (an expert axis):
   each device orthogonalizes the matrices it holds, and no stack is gathered. The price is
   the Newton–Schulz temporaries of a whole stack (per device, its shard), not one matrix's.
-* **matrix size** enters only there. A loop reads its matrices in place (``lax.switch`` on
-  the iteration picks them), so stacking copies nothing on the way in; on the way out the
-  loop's stacked result is sliced into the leaves, one pass over each matrix against
-  Newton–Schulz's ``O(steps min(m, n))`` operations per element. The slices' offsets reach
-  XLA as operands, not constants (``_opaque``), so that every leaf of a shape shares one
-  compiled kernel.
+* **matrix size** enters only there. A loop's inputs (each matrix and its momentum, its
+  scale) are copied into stacks, one entry per iteration, and each iteration writes its
+  results over its own entries; after the loop the stacked results are sliced into the
+  leaves: two passes over each matrix against Newton–Schulz's ``O(steps min(m, n))``
+  operations per element. The slices' offsets reach XLA as operands, not constants
+  (``_opaque``), so that every leaf of a shape shares one compiled kernel.
 
 The loops run one after another, each waiting for the previous one's results
-(``_util.sequence.after``). Their stacked results (Newton–Schulz's, and ``step``'s new arrays:
-Muon's new momentum, a few numbers per matrix for its scale) are the default's extra
-temporary memory. A loop's result buffers are made after the previous loop's results, so
-XLA allocates them when the loop runs: XLA:CPU's scheduler then kept at most two consecutive
-loops' results (it slices a loop's into the leaves while the next one runs; measured, not
-forced), not every loop's (which a scan's own buffers, allocated where XLA likes, let it
-do). A loop of whole stacks returns them indexed by iteration, never merged with the loop's
-axis, so that a sharded stack's results stay sharded. Grouping
-changes the results by rounding only: the same products run inside a loop, but XLA may fuse
+(``_util.sequence.after``). A loop's stacks (its inputs, overwritten by its results) are the
+default's extra temporary memory. They are made after the previous loop's results, so XLA
+allocates them when the loop runs: XLA:CPU's scheduler then kept at most two consecutive
+loops' stacks (it slices a loop's results into the leaves while the next one runs; measured,
+not forced). A loop of whole stacks returns them indexed by iteration, never merged with
+the loop's axis, so that a sharded stack's results stay sharded. Grouping changes the
+results by rounding only: the same products run inside a loop, but XLA may fuse
 the elementwise direction differently in a loop's body than in a single call, and XLA:CPU may
 contract a multiply-add into an FMA in one and not the other, which Newton–Schulz amplifies
 (measured on XLA:CPU: 0 ulps in a jitted update; a probe found 35 ulps of a leaf's largest
@@ -182,18 +181,11 @@ def orthogonalize_leaves(gs: list, states: list, specs: list, step: Callable, fi
       out = ns(x) if x.shape[0] <= k or whole[chunk[0]] else jax.lax.map(ns, x, batch_size=k)
       news = [new for _, new in stepped]
     else:
-      # the matrices are read in place, each in its own branch; per-matrix scalars (the
-      # momentum's scales) are gathered into one small array per loop
-      small = [a.shape[1:] == (1, 1) for a in jax.eval_shape(lambda: [mats(chunk[0], x) for x in raw[0][1]])]
-      sources = [lambda i=i, g=g, st=st: (mats(i, g),) + tuple(mats(i, x) for x, t in zip(st, small) if not t)
-                 for i, (g, st) in zip(chunk, raw)]
-      gathered = [[mats(i, st[a]) for i, (_, st) in zip(chunk, raw)] for a, t in enumerate(small) if t]
-      out, stacked = _loop(sources, gathered, small, ns, step, ns_kwargs, done, whole=whole[chunk[0]])
+      out, stacked = _loop([(mats(i, g),) + tuple(mats(i, x) for x in st) for i, (g, st) in zip(chunk, raw)],
+                           ns, step, ns_kwargs, done, whole=whole[chunk[0]])
       if whole[chunk[0]]:  # leaf j is iteration j: indexed, its stack axis never merged with the loop's
         offsets = list(range(len(chunk)))  # (a sharded stack's results stay sharded)
       else:
-        out, stacked = jax.tree.map(lambda y: lax.reshape(y, (y.shape[0] * y.shape[1],) + y.shape[2:]),
-                                    (out, stacked))
         offsets = [sum(counts[i] for i in chunk[:j]) for j in range(len(chunk))]
       if jax.default_backend() == "cpu":  # see _opaque
         offsets = _opaque(out, offsets)
@@ -217,60 +209,79 @@ def orthogonalize_leaves(gs: list, states: list, specs: list, step: Callable, fi
   return result, new_states
 
 
-def _loop(sources: list[Callable], gathered: list[list], small: list[bool], ns: Callable, step: Callable,
-          ns_kwargs: dict, done: list, *, whole: bool) -> tuple[jax.Array, tuple]:
+def _loop(inputs: list[tuple], ns: Callable, step: Callable, ns_kwargs: dict, done: list, *,
+          whole: bool) -> tuple[jax.Array, tuple]:
   """``ns`` of the directions of several leaves, by one loop with one body, and ``step``'s new arrays.
 
-  ``sources`` give each leaf's gradient and full-size state as matrices: one matrix each
-  (``(1, rows, cols)``), or, with ``whole``, one stack each, all of one shape. ``gathered``
-  holds, per state marked ``small``, every leaf's per-matrix scalars (``(count, 1, 1)``).
-  Iteration ``j`` picks its leaves' matrices with ``lax.switch`` over branches that each
-  read only their own leaves: no stacked copy of the inputs is made. The small states are
-  concatenated (a few numbers per matrix) and sliced by ``j``. ``step`` and ``ns`` run in the
-  loop's body, so each is compiled once per loop, not once per leaf. Returns the loop's
-  results, iteration after iteration (``(iterations, k, rows, cols)``, ``k`` the matrices
-  of an iteration), and ``step``'s new arrays the same way. The loop waits for ``done`` (the
-  previous call's results) through its result buffers (see the module docstring): the inputs
-  are read inside the loop only, so one tie per loop does what ``after`` does per leaf
-  elsewhere. With ``whole`` each iteration takes
-  one whole leaf, never a matrix sliced out of a stack, so that a stack's sharding stays.
+  ``inputs`` holds each leaf's ``step`` arguments as matrices (its gradient and states: one
+  matrix each, ``(1, rows, cols)`` or ``(1, 1, 1)`` for a per-matrix scalar; with ``whole``,
+  one stack each, all of one shape). Each argument is stacked along a new leading axis, one
+  entry per iteration (``k`` matrices, or one whole leaf); a stack is made after ``done``
+  (the previous call's results), so XLA builds a loop's stacks when the loop runs. Iteration
+  ``j`` runs ``step`` and ``ns`` on entry ``j`` and writes the results into entry ``j`` of
+  the stacks of the same shape and dtype (Newton–Schulz's into the gradients', each new state
+  into its state's; a result without one gets a buffer of its own): the loop's results take
+  no memory beyond its inputs' stacks. Entry ``j + 1`` is read at the end of iteration ``j``,
+  from the stacks as written (where it is unchanged), and carried to the next iteration: no
+  computation reads a stack that a later one writes, so XLA updates the stacks in place
+  (reading entry ``j`` inside the iteration, where the momentum, its scale and the direction
+  each read it, made XLA copy every stack each iteration). ``step`` and ``ns`` are compiled
+  once per loop, not once per leaf. Returns the results, iteration after iteration
+  (``(iterations * k, rows, cols)``; with ``whole``, ``(iterations, *stack)``), and ``step``'s
+  new arrays the same way. With ``whole`` an iteration takes one whole leaf, never a matrix
+  sliced out of a stack, so that a stack's sharding stays.
   """
-  first = jax.eval_shape(sources[0])[0]
-  k = first.shape[0] if whole else per_call(first.shape[1], first.shape[2], len(sources), ns_kwargs)
+  first = inputs[0][0]
+  k = first.shape[0] if whole else per_call(first.shape[1], first.shape[2], len(inputs), ns_kwargs)
   per = 1 if whole else k  # leaves per iteration
-  steps = -(-len(sources) // per)
-  pad = steps * per - len(sources)  # the last iteration's padding: copies of its first leaf, dropped after
-  gathered = [lax.concatenate(xs + [xs[(steps - 1) * per]] * pad, 0) for xs in gathered]
+  steps = -(-len(inputs) // per)
+  pad = steps * per - len(inputs)  # the last iteration's padding: copies of the last leaf, dropped after
 
-  def branch(j):
-    picks = sources[j * per:(j + 1) * per]
+  def stack(col):
+    # the first entry waits for ``done``, and the stack with it (one matrix's ``after``:
+    # XLA keeps a concatenation's operands apart, so ``after`` on each would cost one
+    # kernel per leaf)
+    col = [after(col[0], done) if done else col[0], *col[1:]] + [col[-1]] * pad
+    if whole:
+      col = [lax.broadcast_in_dim(x, (1,) + x.shape, tuple(range(1, x.ndim + 1))) for x in col]
+    return lax.concatenate(col, 0)
 
-    def pick():
-      xs = [f() for f in picks]
-      xs += [xs[0]] * (per - len(xs))
-      return xs[0] if per == 1 else tuple(lax.concatenate(col, 0) for col in zip(*xs))
+  stacks = [stack(col) for col in zip(*inputs)]
+  n_in = len(stacks)
 
-    return pick
+  def stepped(xs):
+    d, new = step(*xs)
+    return [ns(d), *new]
 
-  branches = [branch(j) for j in range(steps)]
+  # an entry: one whole stack (indexed), or ``per`` matrices (sliced; a stack of them is
+  # never reshaped to (steps, per, ...), which made XLA:CPU copy it to another layout)
+  if whole:
+    entry = lambda y: jax.ShapeDtypeStruct(y.shape[1:], y.dtype)  # noqa: E731
+    get = lambda y, j: lax.dynamic_index_in_dim(y, j, keepdims=False)  # noqa: E731
+    put = lambda y, x, j: lax.dynamic_update_index_in_dim(y, x, j, 0)  # noqa: E731
+  else:
+    entry = lambda y: jax.ShapeDtypeStruct((per,) + y.shape[1:], y.dtype)  # noqa: E731
+    get = lambda y, j: lax.dynamic_slice_in_dim(y, j * per, per)  # noqa: E731
+    put = lambda y, x, j: lax.dynamic_update_slice_in_dim(y, x, j * per, 0)  # noqa: E731
+  slots = []  # the stack each result is written into
+  for r in jax.eval_shape(stepped, [entry(y) for y in stacks]):
+    free = [i for i in range(n_in) if i not in slots and entry(stacks[i]) == r]
+    if not free:
+      buf = jnp.zeros((steps,) + r.shape if whole else (steps * per,) + r.shape[1:], r.dtype)
+      stacks.append(after(buf, done) if done else buf)
+    slots.append(free[0] if free else len(stacks) - 1)
 
-  def stepped(picked, scalars):  # step on one iteration's leaves (``picked``) and scalars
-    picked, scalars = iter(picked), iter(scalars)
-    g = next(picked)
-    return step(g, *(next(scalars) if t else next(picked) for t in small))
+  def read(stacks, j):
+    return [get(y, j) for y in stacks[:n_in]]
 
-  def body(j, bufs):
-    d, new = stepped(lax.switch(j, branches),
-                     [lax.dynamic_slice_in_dim(y, j * k, k, allow_negative_indices=False) for y in gathered])
-    return jax.tree.map(lambda b, y: lax.dynamic_update_index_in_dim(b, y, j, 0), bufs, (ns(d), tuple(new)))
+  def body(j, carry):
+    stacks, xs = carry
+    for slot, y in zip(slots, stepped(xs)):
+      stacks[slot] = put(stacks[slot], y, j)
+    return stacks, read(stacks, jnp.minimum(j + 1, steps - 1))
 
-  # The results' buffers (``ns`` keeps its input's shape and dtype), made after the previous
-  # call's results: XLA then allocates them when this loop runs. A scan's own buffers would
-  # let it allocate every loop's at the start, a copy of all the stacked matrices' results.
-  shaped = lambda xs: [jax.ShapeDtypeStruct((k,) + x.shape[1:], x.dtype) for x in xs]  # noqa: E731
-  d, new = jax.eval_shape(stepped, shaped(jax.eval_shape(sources[0])), shaped(gathered))
-  bufs = jax.tree.map(lambda a: jnp.zeros((steps,) + a.shape, a.dtype), (d, tuple(new)))
-  return lax.fori_loop(0, steps, body, after(bufs, done) if done else bufs)
+  stacks, _ = lax.fori_loop(0, steps, body, (stacks, read(stacks, 0)))
+  return stacks[slots[0]], tuple(stacks[s] for s in slots[1:])
 
 
 def _opaque(x: jax.Array, values: list[int]) -> tuple[jax.Array, ...]:
