@@ -215,9 +215,10 @@ def _loop(inputs: list[tuple], ns: Callable, step: Callable, ns_kwargs: dict, do
 
   ``inputs`` holds each leaf's ``step`` arguments as matrices (its gradient and states: one
   matrix each, ``(1, rows, cols)`` or ``(1, 1, 1)`` for a per-matrix scalar; with ``whole``,
-  one stack each, all of one shape). Each argument is stacked along a new leading axis, one
-  entry per iteration (``k`` matrices, or one whole leaf); a stack is made after ``done``
-  (the previous call's results), so XLA builds a loop's stacks when the loop runs. Iteration
+  one stack each, all of one shape). Each argument is stacked: the leaves' matrices
+  concatenated, an entry of ``k`` of them per iteration, or with ``whole`` the leaves' stacks
+  along a new leading axis, one per iteration. A stack is made after ``done`` (the previous
+  call's results), so XLA builds a loop's stacks when the loop runs. Iteration
   ``j`` runs ``step`` and ``ns`` on entry ``j`` and writes the results into entry ``j`` of
   the stacks of the same shape and dtype (Newton–Schulz's into the gradients', each new state
   into its state's; a result without one gets a buffer of its own): the loop's results take
