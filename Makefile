@@ -43,8 +43,12 @@ $(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
 # interpreters' side by side before running either suite).
 venv: $(VENV)/.installed
 
+# PYTHONDONTWRITEBYTECODE is emptied for the tests: with it set (some CI images do) and the
+# dependencies installed --no-compile, every test process compiles every module it imports from
+# source (jax, flax, transformers, MaxText and Tunix: 25-29 s against 9-11 s from bytecode, in
+# each worker and subprocess); emptied, the first import writes the bytecode into the venv.
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -n 2 --dist loadfile -q --durations=20 tests
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -n 2 --dist loadfile -q --durations=20 tests
 
 demo: $(VENV)/.installed
 	$(BIN)/python examples/train_mla_lm.py --out runs/demo

@@ -3,7 +3,12 @@
 For each depth, each contender's ``update`` is jitted, lowered and compiled ``--compiles``
 times (wall time of ``lower(...).compile()``, median; a fresh optimizer each time, so nothing
 is cached; the contenders in turn, round after round), then run ``--repeats`` times,
-contenders alternating (median step time). Trees, unscanned (one leaf
+contenders alternating (median step time). A second table gives each contender's compile
+against the first contender's (``optax.adamw``) of the same round, median over the rounds:
+on a small or shared machine whose speed drifts, a ratio within one round moves less than
+either median. It is given in wall time and in the process's CPU time, which leaves out the
+time the process waited for a core but adds up the threads XLA:CPU compiles on (so a compile
+spread over more threads has a higher CPU ratio than wall ratio). Trees, unscanned (one leaf
 per matrix and layer, as Hugging Face Flax models and layer-by-layer NNX models hold them):
 
 * ``gpt``: width 256, MLP 1024, 6 matrices per layer (q, k, v, o ``256 x 256``; up
@@ -106,9 +111,11 @@ def measure(make_opts: Callable[[], dict], params: dict, repeats: int, compiles:
   for _ in range(compiles):
     for name, opt in make_opts().items():
       state = opt.init(params)
-      t0 = time.perf_counter()
+      t0, c0 = time.perf_counter(), time.process_time()
       compiled = jax.jit(opt.update).lower(grads, state, params).compile()
-      out.setdefault(name, {"compiles": [], "steps": []})["compiles"].append(time.perf_counter() - t0)
+      r = out.setdefault(name, {"compiles": [], "cpu": [], "steps": []})
+      r["compiles"].append(time.perf_counter() - t0)
+      r["cpu"].append(time.process_time() - c0)
       if name not in runs:
         jax.block_until_ready(compiled(grads, state, params))
         runs[name] = (compiled, state)
@@ -118,6 +125,12 @@ def measure(make_opts: Callable[[], dict], params: dict, repeats: int, compiles:
       jax.block_until_ready(compiled(grads, state, params))
       out[name]["steps"].append(time.perf_counter() - t0)
   return out
+
+
+def ratios(res: dict, key: str) -> dict:
+  """Per contender, its ``key`` times over the first contender's, round by round."""
+  base = next(iter(res.values()))[key]
+  return {name: [t / b for t, b in zip(r[key], base)] for name, r in res.items()}
 
 
 def _spread(times: list[float]) -> str:
@@ -156,7 +169,7 @@ def main() -> None:
   print(f"command: {' '.join(['python'] + sys.argv)}\n")
   mesh = Mesh(np.array(jax.devices()), ("fsdp",)) if args.sharded else None
   for tree in args.trees:
-    names = None
+    names, ratio_rows = None, []
     for layers in args.layers:
       params = params_of(TREES[tree](), layers)
       if mesh is not None:
@@ -178,6 +191,15 @@ def main() -> None:
       cells = [f"{statistics.median(r['compiles']):.2f} s{_spread(r['compiles'])} / "
                f"{1e3 * statistics.median(r['steps']):.1f} ms" for r in res.values()]
       print(f"| {layers} | " + " | ".join(cells) + " |", flush=True)
+      wall, cpu = ratios(res, "compiles"), ratios(res, "cpu")
+      ratio_rows.append(f"| {layers} | " + " | ".join(
+          f"{statistics.median(wall[n]):.2f}x{_spread(wall[n])} / {statistics.median(cpu[n]):.2f}x{_spread(cpu[n])}"
+          for n in names[1:]) + " |")
+    if len(names) > 1:
+      print(f"\n{tree}: compile over {names[0]}'s in the same round, wall / CPU (median of {args.compiles})\n")
+      print("| layers | " + " | ".join(names[1:]) + " |")
+      print("|---" * len(names) + "|")
+      print("\n".join(ratio_rows), flush=True)
 
 
 if __name__ == "__main__":

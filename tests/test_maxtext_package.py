@@ -2,9 +2,10 @@
 
 MaxText's ``TrainStateNNX.apply_gradients`` (``nnx.Optimizer.update``) with MaxText's own
 pre-training ``loss_fn``, on tiny configs: DeepSeek-V3-style (``deepseek3-tiny`` shrunk: MLA,
-1 dense + 2 MoE layers, 4 experts top-2, a shared expert, a routing bias) and Llama-style
-dense GQA, each with ``scan_layers`` on (MaxText 0.2.5 names the scanned axes
-``dense_layers``/``moe_layers``, on axis 1) and off.
+1 dense + 2 MoE layers, 4 experts top-2, a shared expert, a routing bias; the experts by
+MaxText's ``ragged_dot`` path, not its megablox kernel, which runs in Pallas interpret mode off
+a TPU) and Llama-style dense GQA, each with ``scan_layers`` on (MaxText 0.2.5 names the
+scanned axes ``dense_layers``/``moe_layers``, on axis 1) and off.
 
 Checks: ``mc.muon_adamw(lr)`` with nothing else trains 2 steps; each expert's (and each
 layer's) update is the Newton–Schulz polar factor of that expert's own gradient alone, with
