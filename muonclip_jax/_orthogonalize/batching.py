@@ -264,8 +264,10 @@ def _loop(inputs: list[tuple], ns: Callable, step: Callable, ns_kwargs: dict, do
     entry = lambda y: jax.ShapeDtypeStruct((per,) + y.shape[1:], y.dtype)  # noqa: E731
     get = lambda y, j: lax.dynamic_slice_in_dim(y, j * per, per)  # noqa: E731
     put = lambda y, x, j: lax.dynamic_update_slice_in_dim(y, x, j * per, 0)  # noqa: E731
-  slots = []  # the stack each result is written into
-  for r in jax.eval_shape(stepped, [entry(y) for y in stacks]):
+  slots = []  # the stack each result is written into (``ns`` keeps its input's shape and
+  # dtype, so ``step`` alone is traced for the shapes: Newton–Schulz is traced once, in the body)
+  d, new = jax.eval_shape(step, *[entry(y) for y in stacks])
+  for r in [d, *new]:
     free = [i for i in range(n_in) if i not in slots and entry(stacks[i]) == r]
     if not free:
       buf = jnp.zeros((steps,) + r.shape if whole else (steps * per,) + r.shape[1:], r.dtype)
