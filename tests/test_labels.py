@@ -45,6 +45,34 @@ def test_default_labels_on_a_flax_model():
   assert params["layers"]["norm"]["scale"].shape == (3, 16)  # 2-D, yet not a matrix
 
 
+class AutoNamedLM(nn.Module):
+  """Linen's auto-names only: Embed_0, two numbered blocks (Block_0, Block_1) and an unnamed head (Dense_0)."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(32, 16)(tokens)
+
+    class Block(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        return x + nn.Dense(32)(x) @ jnp.ones((32, 16))  # (16, 32): the head's shape, inside a block
+
+    x = Block()(Block()(x))
+    return nn.Dense(32)(x)
+
+
+def test_an_unnamed_linen_head_goes_to_adamw_and_a_numbered_block_keeps_its_matrices():
+  # The head's own module, Dense_0, is Linen's name for an unnamed nn.Dense, not a numbered
+  # layer: the embedding's shape marks it as the head (it went to Muon before).
+  params = AutoNamedLM().init(jax.random.key(0), jnp.zeros((2, 5), jnp.int32))["params"]
+  assert mc.muon_labels(params) == {
+      "Embed_0": {"embedding": "adam"},
+      "Block_0": {"Dense_0": {"kernel": "muon", "bias": "adam"}},
+      "Block_1": {"Dense_0": {"kernel": "muon", "bias": "adam"}},
+      "Dense_0": {"kernel": "adam", "bias": "adam"},
+  }
+
+
 def _train(opt, params, model, steps=2):
   state = opt.init(params)
   tokens = jnp.arange(10).reshape(2, 5) % 32

@@ -1,6 +1,7 @@
 """scale_by_muon and muon: the Moonlight reference, RMS matching, and the optax battery."""
 
 import inspect
+import re
 
 import chex
 import jax
@@ -241,6 +242,10 @@ def test_zero_gradient_gives_zero_update_and_nan_leaf_is_isolated():
   tx = mc.scale_by_muon()
   u, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params))
   chex.assert_trees_all_equal(u, jax.tree.map(jnp.zeros_like, params))
+  for dtype in (jnp.float16, jnp.bfloat16):  # the default Schatten-4 scale of a zero matrix gave float16 a NaN
+    low = jax.tree.map(lambda p, dtype=dtype: p.astype(dtype), params)
+    u, _ = tx.update(jax.tree.map(jnp.zeros_like, low), tx.init(low))
+    chex.assert_trees_all_equal(u, jax.tree.map(jnp.zeros_like, low))
   for bad_value in (jnp.nan, jnp.inf):
     g = jax.tree.map(jnp.sin, params)
     g["w1"] = g["w1"].at[1, 2].set(bad_value)
@@ -251,6 +256,15 @@ def test_zero_gradient_gives_zero_update_and_nan_leaf_is_isolated():
     # documented (docs/training.md, the input contract): w1's momentum stays NaN, its scale 1
     later, state = tx.update(jax.tree.map(jnp.sin, params), state)
     assert np.isnan(np.asarray(later["w1"])).all() and float(state.mu_scale["w1"]) == 1.0
+
+
+@pytest.mark.parametrize("shape", [(16, 32), (1, 16), (8, 16, 1)])
+def test_an_update_of_another_shape_than_its_parameter_names_the_path(shape):
+  params = {"block": {"w": jnp.ones((8, 16))}}
+  opt = mc.muon(0.1)
+  with pytest.raises(ValueError, match=rf"the update at block/w has shape {re.escape(str(shape))}, but its "
+                                       r"momentum \(the parameter's shape at init\) is \(8, 16\)"):
+    opt.update({"block": {"w": jnp.ones(shape)}}, opt.init(params), params)
 
 
 @pytest.mark.parametrize(
@@ -265,6 +279,7 @@ def test_zero_gradient_gives_zero_update_and_nan_leaf_is_isolated():
         (mc.muon, dict(rms_match="adam"), r"rms_match must be one of .* got 'adam'"),
         # values that would give an inf or NaN update
         (mc.muon, dict(rms_scale=float("inf")), r"rms_scale must be >= 0.0 and < inf, got inf"),
+        (mc.muon, dict(eps=0.0), r"eps must be > 0.0 and < inf, got 0.0"),  # a zero gradient: 0 / 0
         (mc.muon, dict(weight_decay=float("inf")), r"weight_decay must be >= 0.0 and < inf, got inf"),
         (mc.muon_adamw, dict(adam_b1=1.0), r"adam_b1 must be >= 0.0 and < 1.0, got 1.0"),
         (mc.muon_adamw, dict(adam_b2=1.0), r"adam_b2 must be >= 0.0 and < 1.0, got 1.0"),

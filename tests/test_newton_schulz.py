@@ -84,6 +84,16 @@ class NewtonSchulzVariantsTest(chex.TestCase):
     chex.assert_trees_all_equal(y, jnp.zeros((8, 16)))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_zero_gives_zero_in_every_dtype_method_and_orientation(dtype):
+  # the Schatten-4 scale of a zero matrix is 1, not eps: 1 / eps overflowed a float16 iterate
+  for coeffs, steps in (("polar_express_4", None), ("muon", 5)):
+    for method in ("standard", "gram"):
+      for shape in ((8, 32), (32, 8)):
+        y = newton_schulz(jnp.zeros(shape, dtype), steps=steps, coeffs=coeffs, method=method)
+        assert y.dtype == dtype and not np.any(np.asarray(y, np.float32)), (coeffs, method, shape)
+
+
 def test_custom_coefficients_match_presets():
   x = jax.random.normal(jax.random.key(1), (16, 32))
   assert_same_math(newton_schulz(x, coeffs=(3.4445, -4.7750, 2.0315)), newton_schulz(x, coeffs="muon"))

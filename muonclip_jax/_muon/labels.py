@@ -36,6 +36,7 @@ _EMBEDDING_WORDS = ("embed", "wte", "wpe")
 _HEAD_NAMES = frozenset({"lm_head", "head", "unembed", "output", "output_head", "output_layer", "logits",
                          "logits_dense", "classifier"})
 _VECTOR_LEAF_NAMES = frozenset({"bias", "scale", "embedding"})
+_LINEN_AUTO_NAME = re.compile(r"[A-Z][A-Za-z0-9]*_[0-9]+")  # Linen's name for an unnamed submodule: Dense_1
 STACKED_VECTOR = "stacked vector"  # the role of a rank-2 leaf that a stack shows to be one vector per layer
 # Path components that name a mixture-of-experts router (Hugging Face's Mixtral, DeepSeek-V3,
 # Qwen-MoE and MaxText: ``gate``; torchtitan, Switch: ``router``).
@@ -102,8 +103,15 @@ def vocab_sizes(params: Any) -> frozenset[tuple[int, int]]:
 
 
 def _in_numbered_layer(parts: list[str]) -> bool:
-  """A path component ``0``, ``layers_3``, ``h_1``, ``block12``: inside one of a model's repeated layers."""
-  return any(p[-1:].isdigit() for p in parts[:-1])
+  """A path component ``0``, ``layers_3``, ``h_1``, ``block12``: inside one of a model's repeated layers.
+
+  ``parts`` as written (not lower-cased). The leaf's own module under a Linen auto-name
+  (``Dense_1``: the class, then its index among its parent's submodules of that class) is
+  no layer: that is an unnamed ``nn.Dense``, such as an LM head.
+  """
+  owner = len(parts) - 2
+  return any(p[-1:].isdigit() and not (i == owner and _LINEN_AUTO_NAME.fullmatch(p))
+             for i, p in enumerate(parts[:-1]))
 
 
 def default_label(path: str, shape: tuple[int, ...], names: tuple | None = None, *,
@@ -115,15 +123,16 @@ def default_label(path: str, shape: tuple[int, ...], names: tuple | None = None,
   of the layer that owns the leaf says, rules 2 and 9; ``vocab`` the tree's embedding tables,
   rule 8; ``router`` the label of a router's matrix, rule 10).
   """
-  parts = [p.lower() for p in path.split("/") if p]
+  raw = [p for p in path.split("/") if p]
+  parts = [p.lower() for p in raw]
   if parts and parts[-1] in ROUTING_BIAS_NAMES:
     return FROZEN
-  label = _matrix_or_adam(parts, shape, names, vocab, role)
+  label = _matrix_or_adam(parts, shape, names, vocab, role, _in_numbered_layer(raw))
   return router if label == MUON and _is_router(parts) else label
 
 
 def _matrix_or_adam(parts: list[str], shape: tuple[int, ...], names: tuple | None,
-                    vocab: frozenset[tuple[int, int]], role: str | None) -> str:
+                    vocab: frozenset[tuple[int, int]], role: str | None, numbered: bool) -> str:
   if len(shape) < 2 or role not in (None, MATRIX, STACKED_VECTOR):
     return ADAM
   if role is None and parts and (parts[-1] in _VECTOR_LEAF_NAMES or any(_is_norm(p) for p in parts)):
@@ -134,7 +143,7 @@ def _matrix_or_adam(parts: list[str], shape: tuple[int, ...], names: tuple | Non
   batch = STACK_NAMES if names is None else router_batch_names("/".join(parts), names)
   if names is not None and (VOCAB in names or sum(n not in batch for n in names) < 2):
     return ADAM
-  if (len(shape) == 2 and names is None and not _in_numbered_layer(parts)
+  if (len(shape) == 2 and names is None and not numbered
       and any(shape in ((v, w), (w, v)) for v, w in vocab)):
     return ADAM
   return ADAM if role == STACKED_VECTOR else MUON
@@ -219,7 +228,9 @@ def muon_labels(params: Any, *, router: str = MUON) -> Any:
      name rule 6 does not know: AdamW. Not applied to a leaf with logical names (rule 7
      decides those: names without ``"vocab"`` say it is no head), nor inside a numbered layer
      (a path component such as ``0``, ``layers_3`` or ``h_1``: heads sit outside the layer
-     stack), so an MLP whose hidden size happens to equal the vocabulary stays with Muon.
+     stack; the leaf's own module under a Linen auto-name such as ``Dense_1``, an unnamed
+     ``nn.Dense``, is not one), so an MLP whose hidden size happens to equal the vocabulary
+     stays with Muon.
      Outside those, a hidden matrix of that shape goes to AdamW too: pass ``labels``.
   9. ``role`` ``STACKED_VECTOR``: a 2-D leaf without logical names or a known layer type
      that its stack shows to be one vector per layer (``stacked_vectors``: the largest

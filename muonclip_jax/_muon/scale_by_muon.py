@@ -203,7 +203,7 @@ def scale_by_muon(
       number under it, name ``static_args=("ns_batch",)``.) The blocks of one matrix
       (``muon_blocks``: its heads or parts) always go into one call together; their stacked
       layers go in slices of ``ns_batch`` (default 1).
-    eps: Newton–Schulz norm epsilon; a zero gradient gives a zero update. It is a floor on
+    eps: Newton–Schulz norm epsilon (> 0); a zero gradient gives a zero update. It is a floor on
       the normalization (see ``newton_schulz``): a direction whose Frobenius norm is not
       well above ``eps`` (entries of 1e-30, say) gives an update near zero instead of an
       orthogonal one. There is no ceiling: gradients with entries up to float32's largest
@@ -327,7 +327,7 @@ def scale_by_muon(
   check_bool("nesterov", nesterov)
   check_number("beta", beta, low=0.0, high=1.0, high_open=True)
   check_number("rms_scale", rms_scale, low=0.0, high=math.inf, high_open=True)
-  check_number("eps", eps, low=0.0, high=math.inf, high_open=True)
+  check_number("eps", eps, low=0.0, high=math.inf, low_open=True, high_open=True)  # 0: a zero gradient is 0 / 0
   if mu_dtype is not None and not jnp.issubdtype(mu_dtype, jnp.floating):
     raise TypeError(f"mu_dtype must be a floating dtype (float32, bfloat16, float16) or None for the "
                     f"gradient's, got {mu_dtype!r}")
@@ -379,6 +379,10 @@ def scale_by_muon(
     # at update); each tree keeps its own structure
     mus, mu_def = _leaves_at(state.mu, paths, "mu")
     old_scales, scale_def = _leaves_at(state.mu_scale, paths, "mu_scale")
+    for p, m, g in zip(paths, mus, leaves):
+      if m.shape != g.shape:
+        raise ValueError(f"scale_by_muon: the update at {p} has shape {tuple(g.shape)}, but its momentum (the "
+                         f"parameter's shape at init) is {tuple(m.shape)}: pass updates of the parameters' shapes")
     for p, m, sc in zip(paths, mus, old_scales):
       if sc.dtype != scale_dtype(m.dtype):
         raise TypeError(

@@ -261,9 +261,15 @@ def _left(P: jax.Array, X: jax.Array, tall: bool, dtype: Any = None, prec: Any =
 
 
 def schatten4_scale(A: jax.Array, norm_scale: float, eps: float) -> jax.Array:
-  """``norm_scale * ||X||_S4 + eps`` from ``A = X X^T`` (float32, keepdims)."""
+  """``norm_scale * ||X||_S4 + eps`` from ``A = X X^T`` (float32, keepdims); 1 for ``X = 0``.
+
+  A zero ``X`` stays zero at any scale, and ``1 / eps`` (1e7) would overflow a float16
+  iterate (``inf * 0`` is NaN). A nonzero ``X`` here is Frobenius-normalized, so its
+  ``||X||_S4 >= rank^(-1/4)`` and the scale is the formula's.
+  """
   af = A.astype(jnp.float32)
-  return norm_scale * jnp.sqrt(jnp.sqrt(jnp.sum(af * af, axis=(-2, -1), keepdims=True))) + eps
+  s4 = jnp.sqrt(jnp.sqrt(jnp.sum(af * af, axis=(-2, -1), keepdims=True)))
+  return jnp.where(s4 > 0, norm_scale * s4 + eps, 1.0)
 
 
 def _poly(A: jax.Array, abc: Any, prec: Any = None) -> jax.Array:
