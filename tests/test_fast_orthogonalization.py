@@ -303,9 +303,9 @@ def test_one_matrix_per_call_keeps_the_temporaries_of_one_matrix():
 def test_bad_scale_by_muon_options():
   with pytest.raises(ValueError, match="ns_batch must be None or an int >= 1, got 0"):
     mc.scale_by_muon(ns_batch=0)
-  with pytest.raises(ValueError, match="method must be one of"):
+  with pytest.raises(ValueError, match="ns_method must be one of"):  # the argument's own name
     mc.muon(0.1, ns_method="fast")
-  with pytest.raises(ValueError, match="restarts must be step indices"):
+  with pytest.raises(ValueError, match="ns_restarts must be step indices"):
     mc.muon_adamw(0.1, ns_method="gram", ns_restarts=(7,))
   with pytest.raises(ValueError, match="ns_batch is static"):
     mc.scale_by_muon(ns_batch=jnp.asarray(2))

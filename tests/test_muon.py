@@ -272,9 +272,9 @@ def test_an_update_of_another_shape_than_its_parameter_names_the_path(shape):
     [
         (mc.muon, dict(weight_decay=-0.1), r"weight_decay must be >= 0.0 and < inf, got -0.1"),
         (mc.muon_adamw, dict(adam_weight_decay=-1.0), r"adam_weight_decay must be >= 0.0 and < inf, got -1.0"),
-        (mc.muon, dict(ns_coeffs="nope"), r"coeffs must be one of .* got 'nope'"),
+        (mc.muon, dict(ns_coeffs="nope"), r"ns_coeffs must be one of .* got 'nope'"),
         (mc.muon, dict(ns_coeffs=np.ones((2, 2))), r"coeffs must have shape .* got .* \(2, 2\)"),
-        (mc.muon, dict(ns_steps=0), r"steps must be an int >= 1, got 0"),
+        (mc.muon, dict(ns_steps=0), r"ns_steps must be an int >= 1, got 0"),
         (mc.muon, dict(beta=1.0), r"beta must be >= 0.0 and < 1.0, got 1.0"),
         (mc.muon, dict(rms_match="adam"), r"rms_match must be one of .* got 'adam'"),
         # values that would give an inf or NaN update

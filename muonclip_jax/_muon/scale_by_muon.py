@@ -315,8 +315,11 @@ def scale_by_muon(
   check_blocks(muon_blocks, layout)
   if shard_split not in ("auto", "always", "never"):
     raise ValueError(f"shard_split must be 'auto', 'always' or 'never', got {shard_split!r}")
-  resolve_coeffs(ns_coeffs, ns_steps)  # validates both
-  resolve_options(ns_coeffs, ns_steps, ns_method, ns_normalize, ns_restarts)
+  try:  # their messages name newton_schulz's arguments (steps, coeffs, ...): here they are ns_*
+    resolve_coeffs(ns_coeffs, ns_steps)  # validates both
+    resolve_options(ns_coeffs, ns_steps, ns_method, ns_normalize, ns_restarts)
+  except ValueError as e:
+    raise ValueError(f"ns_{e}") from None
   if isinstance(ns_batch, jax.Array):
     raise ValueError("ns_batch is static: under optax.inject_hyperparams pass static_args=('ns_batch',), "
                      f"got {ns_batch!r}")
