@@ -205,6 +205,15 @@ def test_dropout_rng_aux_outputs_grad_norm_and_float_metrics_with_microbatches()
         params, opt.init(params), {"tokens": batch, "key": jax.random.key(0)})
 
 
+def test_a_batch_of_one_array_that_does_not_split_is_named_as_such():
+  from muonclip_jax._train.microbatches import split_microbatches
+
+  with pytest.raises(ValueError, match=r"make_train_step: the batch \(one array\) of shape \(2, 8, 32\) has no "
+                                       r"leading axis divisible by num_microbatches=3"):
+    split_microbatches(jnp.ones((2, 8, 32)), 3)
+  assert split_microbatches(jnp.ones((6, 8)), 3).shape == (3, 2, 8)
+
+
 def test_multi_steps_metrics_and_exact_clip_act_only_at_the_real_update():
   """Under multi_steps the optimizer clips only at its last micro-step: the metrics say so,
   and the exact clip does not rescale weights while gradients are still accumulating."""

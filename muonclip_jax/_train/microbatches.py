@@ -42,8 +42,9 @@ def split_microbatches(batch: Any, k: int, caller: str = "make_train_step") -> A
 
   def split(path, x):
     if jnp.ndim(x) == 0 or x.shape[0] % k:
+      what = f"batch leaf {jax.tree_util.keystr(path)}" if path else "the batch (one array)"
       raise ValueError(
-          f"{caller}: batch leaf {jax.tree_util.keystr(path)} of shape {jnp.shape(x)} has no leading "
+          f"{caller}: {what} of shape {jnp.shape(x)} has no leading "
           f"axis divisible by num_microbatches={k} (pass a dropout key as step(..., rng=key), not in the batch)")
     return split_leading(x, k)
 
