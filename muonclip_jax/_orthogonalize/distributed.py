@@ -300,7 +300,8 @@ def ns_flops_of(ns_kwargs: dict) -> Callable[[int, int], float]:
   if isinstance(steps, jax.core.Tracer):  # traced (inject_hyperparams): the preset's count
     steps = None
   kw = dict(steps=steps, coeffs=ns_kwargs.get("coeffs", "muon"), method=ns_kwargs.get("method", "standard"),
-            restarts=ns_kwargs.get("restarts", ()), precision=ns_kwargs.get("precision"))
+            restarts=ns_kwargs.get("restarts", ()), precision=ns_kwargs.get("precision"),
+            compute_dtype=ns_kwargs.get("compute_dtype"))
   return lambda m, n: float(ns_flops((m, n), **kw))
 
 

@@ -19,7 +19,13 @@ Two ways to run the same polynomial iteration (``method``):
   *restart* before step ``k`` re-forms ``X_0 <- Q_k X_0`` and ``G`` from it, bounding how
   much rounding in ``Q`` can grow (``4 m^2 n`` FLOPs each, less three ``m x m`` products).
 
-Both compute products whose result is symmetric (``X X^T``, ``A A``, ``H (R H)``) as their
+Both form each step's ``m x m`` matrix ``a I + b A + c A^2 = B + gamma I`` in float32 (float64
+for float64), with ``B = c (A - alpha I)^2`` (``step_matrix``; ``square_form`` says why). The
+standard iteration takes ``X <- gamma X + B X``, accumulated in float32 and rounded once to the
+compute dtype; its first step's ``B`` goes in as two parts wherever the products round their
+operands below float32 (``apply_step``, ``precision.first_step_parts``).
+
+Both compute products whose result is symmetric (``X X^T``, ``(A - alpha I)^2``, ``H (R H)``) as their
 top half rows and bottom-right block, mirrored (``SYMMETRIC_MIN``): 3/4 of their FLOPs.
 ``ns_flops`` counts what is computed.
 """
@@ -32,7 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .precision import FLOAT16, iterate_scale, matmul, products, restarts as policy_restarts, uses_gram
+from .precision import (FLOAT16, first_step_parts, iterate_scale, matmul, products, restarts as policy_restarts,
+                        uses_gram)
 from .presets import GRAM_ASPECT, gram_restarts, resolve_coeffs, resolve_options, resolve_steps
 
 
@@ -189,14 +196,17 @@ def divide_by_max(xf: jax.Array, amax: jax.Array) -> jax.Array:
 
 
 def ns_flops(shape: tuple[int, ...], *, steps: int | None = 5, coeffs: Any = "muon",
-             method: str = "standard", restarts: Any = (), precision: str | None = None) -> int:
+             method: str = "standard", restarts: Any = (), precision: str | None = None,
+             compute_dtype: Any = None) -> int:
   """FLOPs (2 per multiply-add) of ``newton_schulz`` on ``shape``, matmuls only.
 
   For ``m = min``, ``n = max`` of the last two sizes and ``K`` steps: ``"standard"``
-  ``K (4 m^2 n + 2 m^3)``; ``"gram"`` ``4 m^2 n`` (``G`` and ``Q X_0``) plus, per run of
+  ``K (4 m^2 n + 2 m^3)``, plus ``2 m^2 n`` where its first step's ``B`` goes in as two parts
+  (products narrower than float32 under ``precision`` and ``compute_dtype``:
+  ``precision.first_step_parts``); ``"gram"`` ``4 m^2 n`` (``G`` and ``Q X_0``) plus, per run of
   steps between restarts, ``2 m^3`` for ``R^2`` each step, ``2 m^3`` for ``H Q`` each step
   but the run's first and ``4 m^3`` for ``H R H`` each step but the last, plus ``4 m^2 n``
-  per restart. Products known to be symmetric (``X X^T``, ``A^2``, ``R^2``, ``H (R H)``)
+  per restart. Products known to be symmetric (``X X^T``, ``(A - alpha I)^2``, ``R^2``, ``H (R H)``)
   count 3/4 when ``m >= SYMMETRIC_MIN`` is even, as computed. Elementwise work (``O(m n)``
   a step) is left out. ``"auto"`` is resolved as ``newton_schulz`` resolves it under ``precision``.
   """
@@ -210,6 +220,8 @@ def ns_flops(shape: tuple[int, ...], *, steps: int | None = 5, coeffs: Any = "mu
   mmn, mmm = 2 * m * m * n, 2 * m**3
   if not gram:
     total = steps * (sym * mmn + sym * mmm + mmn)
+    if first_step_parts(products(precision, False), compute_dtype or jnp.float32) is not None:
+      total += mmn
   else:
     restarts = policy_restarts(restarts, gram_restarts(coeffs, steps, ()), steps, products(precision, gram))
     total = sym * mmn + mmn + len(restarts) * (mmn + sym * mmn)
@@ -272,32 +284,76 @@ def schatten4_scale(A: jax.Array, norm_scale: float, eps: float) -> jax.Array:
   return jnp.where(s4 > 0, norm_scale * s4 + eps, 1.0)
 
 
-def _poly(A: jax.Array, abc: Any, prec: Any = None) -> jax.Array:
-  """``b A + c A^2`` (the ``a I`` part is applied separately)."""
-  return abc[1] * A + abc[2] * _sym_product(A, A, None, prec)
+def square_form(table: np.ndarray) -> np.ndarray:
+  """Each step's ``(a, b, c)`` as ``(c, alpha, b', gamma)`` with ``a I + b A + c A^2 = c (A -
+  alpha I)^2 + b' A + gamma I``: ``alpha = -b / 2c``, ``b' = 0``, ``gamma = a - c alpha^2`` for
+  ``c != 0``; ``(0, 0, b, a)`` for ``c = 0``.
+
+  Why: a step's ``p(s) / s = a + b s^2 + c s^4`` nearly cancels where the step maps singular
+  values low. Polar Express's first step has ``a + b y + c y^2 ~ 0.03`` at ``y = s^2 ~ 0.67``,
+  from terms of 8 to 17, so ``a X + (b A + c A^2) X`` with ``A^2`` or the product's operands
+  rounded to 8 (bfloat16) or 11 (float16) bits is wrong by about the step's whole value there.
+  With ``c > 0`` and ``gamma > 0`` (every preset's step: ``p(s) / s > 0`` has no real root)
+  ``c (A - alpha I)^2`` and ``gamma I`` are positive semi-definite and add without cancelling,
+  and ``A - alpha I`` is small where the step's value is.
+  """
+  a, b, c = (np.asarray(table, np.float64)[:, j] for j in range(3))
+  quad = c != 0
+  alpha = np.where(quad, -b / np.where(quad, 2 * c, 1.0), 0.0)
+  return np.stack([c, alpha, np.where(quad, 0.0, b), a - c * alpha * alpha], axis=1)
+
+
+def step_matrix(A: jax.Array, row: Any, prec: Any = None, linear: bool = True) -> tuple[jax.Array, Any]:
+  """``(B, gamma)`` with ``a I + b A + c A^2 = B + gamma I`` for a symmetric float ``A`` and its
+  ``square_form`` row: ``B = c (A - alpha I)^2 + b' A`` (the ``b' A`` term only if ``linear``:
+  some row has ``c = 0``), in ``A``'s dtype, its one product at ``prec``."""
+  c, alpha, b, gamma = (row[j] for j in range(4))
+  D = A - alpha * jnp.broadcast_to(jnp.eye(A.shape[-1], dtype=A.dtype), A.shape)
+  B = c * _sym_product(D, D, None, prec)
+  return (B + b * A if linear else B), gamma
 
 
 def _iterate(X: jax.Array, table: np.ndarray, steps: Any, schatten4: bool, norm_scale: float,
              eps: float, tall: bool, prec: Any = None) -> jax.Array:
-  table_arr = jnp.asarray(table, X.dtype)
+  wdtype = jnp.promote_types(X.dtype, jnp.float32)
+  square = square_form(table)
+  table_arr = jnp.asarray(square, wdtype)
+  linear = bool(np.any(square[:, 2]))
   last = table.shape[0] - 1
   row = (lambda i: table_arr[0]) if last == 0 else (lambda i: table_arr[jnp.minimum(i, last)])
 
-  def body(i, X):
-    abc = row(i)
-    A = gram_of(X, tall, None, prec)
-    if not schatten4:
-      return abc[0] * X + _left(_poly(A, abc, prec), X, tall, None, prec)
-    # Step 0 runs on X / s with s = norm_scale * ||X||_S4, folded into the coefficients:
-    # with A' = A / s^2, a (X / s) + (b A' + c A'^2) (X / s) = (a / s) X + (P(A') / s) X.
-    # Later steps use s = 1 (exact), so the loop stays rolled.
-    s = jnp.where(i == 0, schatten4_scale(A, norm_scale, eps), 1.0)
-    inv = 1.0 / s
-    A = (A.astype(jnp.float32) * (inv * inv)).astype(X.dtype)
-    inv = inv.astype(X.dtype)
-    return (abc[0] * inv) * X + _left(_poly(A, abc, prec) * inv, X, tall, None, prec)
+  def body(i, X, narrow=None):
+    # X <- gamma X + B X (step_matrix: B formed from A = X X^T in float32; apply_step).
+    A = gram_of(X, tall, wdtype, prec)
+    inv = 1.0
+    if schatten4:
+      # Step 0 runs on X / s with s = norm_scale * ||X||_S4, folded in: with A' = A / s^2, the
+      # step is (gamma / s) X + (B(A') / s) X. Later steps use s = 1 (exact): the loop stays rolled.
+      s = jnp.where(i == 0, schatten4_scale(A, norm_scale, eps), 1.0).astype(wdtype)
+      inv = 1.0 / s
+      A = A * (inv * inv)
+    B, gamma = step_matrix(A, row(i), prec, linear)
+    return apply_step(B * inv, gamma * inv, X, tall, prec, narrow)
 
-  return jax.lax.fori_loop(0, steps, body, X)
+  narrow = first_step_parts(prec, X.dtype)
+  if narrow is None:
+    return jax.lax.fori_loop(0, steps, body, X)
+  return jax.lax.fori_loop(1, steps, body, body(0, X, narrow))
+
+
+def apply_step(B: jax.Array, gamma: Any, X: jax.Array, tall: bool, prec: Any, narrow: Any = None) -> jax.Array:
+  """One step ``gamma X + B X`` (``B`` on the short side, ``step_matrix``), accumulated in ``B``'s
+  float dtype and rounded once to ``X``'s. ``B`` is multiplied in ``X``'s dtype (float16 under
+  ``FLOAT16``); with ``narrow`` (``precision.first_step_parts``) as two parts, ``hi`` rounded to
+  ``narrow`` and ``B - hi``: about twice its bits."""
+  w = B.dtype
+  op = jnp.float16 if prec == FLOAT16 else X.dtype
+  if narrow is None:
+    BX = _left(B.astype(op), X, tall, w, prec)
+  else:
+    hi = B.astype(narrow)
+    BX = _left(hi, X, tall, w, prec) + _left((B - hi.astype(w)).astype(narrow), X, tall, w, prec)
+  return (gamma * X.astype(w) + BX).astype(X.dtype)
 
 
 def apply_factor(Q: jax.Array, X0: jax.Array, tall: bool, prec: Any = None) -> jax.Array:
@@ -325,11 +381,10 @@ def _gram_iterate(X0: jax.Array, table: np.ndarray, steps: Any, schatten4: bool,
     s = schatten4_scale(G, norm_scale, eps).astype(wdtype)
     G = G / (s * s)
     inv = 1.0 / s
-  table_w = jnp.asarray(table, wdtype)
+  square = square_form(table)
+  table_w = jnp.asarray(square, wdtype)
+  linear = bool(np.any(square[:, 2]))
   last = table.shape[0] - 1
-
-  def h_of(R, abc):
-    return abc[0] * eye + _poly(R, abc, prec)
 
   if isinstance(steps, int):
     Q, R = None, G  # Q None is the identity
@@ -338,7 +393,8 @@ def _gram_iterate(X0: jax.Array, table: np.ndarray, steps: Any, schatten4: bool,
         X0 = apply_factor(Q if inv is None else Q * inv, X0, tall, prec).astype(X0.dtype)
         inv, Q = None, None
         R = gram_of(X0, tall, wdtype, prec)
-      H = h_of(R, table_w[min(k, last)])
+      B, gamma = step_matrix(R, table_w[min(k, last)], prec, linear)
+      H = B + gamma * eye
       Q = H if Q is None else matmul(H, Q, prec)
       if k + 1 < steps and k + 1 not in restarts:
         R = _sym_product(H, matmul(R, H, prec), None, prec)
@@ -356,7 +412,8 @@ def _gram_iterate(X0: jax.Array, table: np.ndarray, steps: Any, schatten4: bool,
         X = apply_factor(Q, X, tall, prec).astype(X.dtype)
         return X, eye, gram_of(X, tall, wdtype, prec)
       X, Q, R = jax.lax.cond(jnp.any(i == restart_arr), restart, lambda c: c, (X, Q, R))
-    H = h_of(R, table_w[jnp.minimum(i, last)])
+    B, gamma = step_matrix(R, table_w[jnp.minimum(i, last)], prec, linear)
+    H = B + gamma * eye
     return X, matmul(H, Q, prec), _sym_product(H, matmul(R, H, prec), None, prec)
 
   X, Q, _ = jax.lax.fori_loop(0, steps, body, (X0, Q0, G))

@@ -5,8 +5,9 @@ matrix (``m <= n``), and ends with the same slab of the result. Both iterations 
 ``newton_schulz`` are supported, on a stack ``(q, m, n/g)``:
 
 * ``"standard"``: ``A = sum_j X_j X_j^T`` (one all-reduce of ``m x m`` a step, float32),
-  ``B = b A + c A^2`` with ``A^2`` from half its row blocks (``_sym_full``), then
-  ``X_j <- a X_j + B X_j`` locally.
+  ``B = c (A - alpha I)^2`` (``newton_schulz.step_matrix``: ``a I + b A + c A^2 = B + gamma I``)
+  with its square from half its row blocks (``_sym_full``), then ``X_j <- gamma X_j + B X_j``
+  locally.
 * ``"gram"``: ``G = sum_j X_j X_j^T`` (one all-reduce), then the ``m x m`` iteration split
   by rows: device ``p`` holds rows ``p m/g ..`` of ``Q``. Every iterate is a polynomial in
   ``G``, so they commute: ``Q_{k+1} = Q_k H_k`` and ``R_{k+1} = R_k H_k H_k``. Each device
@@ -31,8 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .newton_schulz import SYMMETRIC_MIN, apply_factor, divide_by_max, gram_of, schatten4_scale
-from .precision import einsum, iterate_scale, matmul, products, restarts as policy_restarts, uses_gram
+from .newton_schulz import (SYMMETRIC_MIN, apply_factor, apply_step, divide_by_max, gram_of, schatten4_scale,
+                            square_form)
+from .precision import (einsum, first_step_parts, matmul, products, restarts as policy_restarts,
+                        uses_gram)
 from .presets import GRAM_ASPECT, gram_restarts, resolve_coeffs, resolve_options, resolve_steps
 
 
@@ -120,7 +123,7 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
   """The polar factor's slabs of a stack of split matrices; ``x``: ``(q, m, n/g)`` slabs."""
   dtype = jnp.dtype(it["compute_dtype"]) if it["compute_dtype"] is not None else x.dtype
   wdtype = jnp.promote_types(dtype, jnp.float32)
-  table = np.asarray(it["table"])
+  table = square_form(it["table"])
   last = table.shape[0] - 1
   eps, K = it["eps"], it["steps"]
   m = x.shape[-2]
@@ -143,21 +146,25 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
     s = schatten4_scale(A, it["norm_scale"], eps)
     A = A / (s * s)
     X = (X.astype(jnp.float32) / s).astype(dtype)
+  def step_matrix(A):  # newton_schulz.step_matrix's B, its product split by rows
+    D = A - alpha * jnp.broadcast_to(jnp.eye(m, dtype=A.dtype), A.shape)
+    B = c * _sym_full(_rows(D, p, r), D, p, g, axes, prec)
+    return B + b * A if b else B
+
   if not it["gram"]:
     for k in range(K):
-      a, b, c = (float(v) for v in table[min(k, last)])
+      c, alpha, b, gamma = (float(v) for v in table[min(k, last)])
       if k:
         A = gram_f(X, jnp.float32)
-      B = (b * A + c * _sym_full(_rows(A, p, r), A, p, g, axes, prec)).astype(dtype)
-      X = a * X + matmul(B, X, prec, scales=(1.0, iterate_scale(X, prec)))
+      X = apply_step(step_matrix(A), gamma, X, False, prec, first_step_parts(prec, X.dtype) if k == 0 else None)
     return X.astype(x.dtype)
   R = A.astype(wdtype)
   eye = jnp.broadcast_to(jnp.eye(m, dtype=wdtype), R.shape)
   Q_rows = None
   for k in range(K):
-    a, b, c = (float(v) for v in table[min(k, last)])
+    c, alpha, b, gamma = (float(v) for v in table[min(k, last)])
     R_rows = _rows(R, p, r)
-    H = a * eye + b * R + c * _sym_full(R_rows, R, p, g, axes, prec)
+    H = step_matrix(R) + gamma * eye
     Q_rows = _rows(H, p, r) if Q_rows is None else matmul(Q_rows, H, prec)
     if k + 1 < K:
       R = _sym_full(matmul(R_rows, H, prec), H, p, g, axes, prec)  # R H H = H R H
