@@ -4,6 +4,7 @@
   python benchmarks/emulated_band.py --quick    # wide and square only
   python benchmarks/emulated_band.py --flops    # the GPU policy's matmul FLOPs against optax's
   python benchmarks/emulated_band.py --large    # the GPU policy's band on 2048x8192
+  python benchmarks/emulated_band.py --more     # 14 other inputs on 10 other shapes (~10 min)
 
 For each emulated backend (``tests/_emulated_backend.py``: float32 dots that name no
 precision get bf16 operands on "tpu", TF32 on "gpu", exact float32 on "cpu"), each
@@ -20,6 +21,12 @@ and dtype) and the full Markdown table.
 ``--large`` measures instead the GPU policy on 2048x8192 Gaussian and condition-1e6 inputs
 (``"auto"`` and ``"gram"``, float32 and bfloat16 compute), where the first step's ``X X^T``
 has entries that float16 holds only as subnormals (``_orthogonalize/precision.py``).
+
+``--more`` runs the same update on other inputs (``MORE_KINDS``: low rank with other ranks and
+noise, condition 1e3 and 1e8, linear and clustered spectra, an orthogonal matrix, heavy tails,
+an outlier row or column, sparse, mean-dominated, entries of 1e20) and other shapes
+(``MORE_SHAPES``: 2 to 4096 rows, aspect up to 4096, stacks), each matrix of a stack drawn anew,
+and prints the worst case per backend, method and dtype and every case outside the band.
 
 ``--flops`` prints instead the GPU policy's matmul FLOPs, traced (no arrays) on the
 shapes (4096x16384, 4096x4096, a 64x2048x7168 expert stack) as if on a GPU, against
@@ -105,12 +112,87 @@ def flops() -> None:
             f"| {', '.join(map(str, sorted(batches)))} | {theirs / 1e9:.0f} | {ours / theirs:.3f} |")
 
 
+MORE_SHAPES = ((64, 4096), (4096, 64), (200, 300), (128, 256), (256, 128), (33, 1000), (512, 512), (4, 64, 512),
+               (7, 96, 40), (2, 8192))
+
+
+def more_kinds(m: int, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+  """``--more``'s inputs of one ``m x n`` matrix (module docstring)."""
+  k = min(m, n)
+
+  def spectrum(s):
+    u, _ = np.linalg.qr(rng.standard_normal((m, k)))
+    v, _ = np.linalg.qr(rng.standard_normal((n, k)))
+    return (u * s) @ v.T
+
+  def low_rank(r, noise):
+    return rng.standard_normal((m, r)) @ rng.standard_normal((r, n)) / np.sqrt(r) + noise * rng.standard_normal((m, n))
+
+  return {
+      "rank 1 + 1e-4": low_rank(1, 1e-4),
+      "rank 4 + 1e-2": low_rank(4, 1e-2),
+      "rank 64 + 1e-5": low_rank(min(64, k), 1e-5),
+      "condition 1e3": spectrum(np.logspace(0, -3, k)),
+      "condition 1e8": spectrum(np.logspace(0, -8, k)),
+      "linear to 1e-6": spectrum(np.linspace(1, 1e-6, k)),
+      "two clusters": spectrum(np.where(np.arange(k) < k // 2, 1.0, 1e-4)),
+      "orthogonal": spectrum(np.ones(k)),
+      "student-t, 2 dof": rng.standard_t(2, (m, n)),
+      "outlier column": rng.standard_normal((m, n)) * np.where(np.arange(n) == 3, 1e3, 1.0),
+      "outlier row": rng.standard_normal((m, n)) * np.where(np.arange(m)[:, None] == 1, 1e3, 1.0),
+      "sparse (5%)": rng.standard_normal((m, n)) * (rng.random((m, n)) < 0.05),
+      "mean-dominated": 1.0 + 0.01 * rng.standard_normal((m, n)),
+      "entries of 1e20": 1e20 * rng.standard_normal((m, n)),
+  }
+
+
+def more() -> None:
+  """The ``--more`` sweep (module docstring)."""
+  print(f"JAX {jax.__version__}, emulated backends; other inputs and shapes\n")
+  worst, bad, start = {}, [], time.perf_counter()
+  for shape in MORE_SHAPES:
+    rng = np.random.default_rng([7, *shape])
+    *batch, m, n = shape
+    mats = [more_kinds(m, n, rng) for _ in range(int(np.prod(batch)) if batch else 1)]
+    grads = {kind: jnp.asarray(np.stack([x[kind] for x in mats]).reshape(shape).astype(np.float32))
+             for kind in mats[0]}
+    svds = {kind: eb.input_svd(g) for kind, g in grads.items()}
+    for cd_name, cd in DTYPES:
+      for method in METHODS:
+        opt, update = _update_fn(method, cd)
+        state = opt.init(grads)
+        for backend in eb.BACKENDS:
+          with eb.emulate(backend):
+            out = jax.device_get(update(grads, state, grads))
+          for kind, g in grads.items():
+            b = eb.band(out[kind], g, scale=-eb.moonlight_scale(g.shape), svd=svds[kind])
+            key = (backend, method, cd_name)
+            w = worst.get(key, (0.0, 9.0, 0.0))
+            worst[key] = (max(w[0], b.top), min(w[1], b.low), max(w[2], b.high))
+            if b.top > HIGH or b.low < LOW or b.high > HIGH:
+              bad.append(f"| {backend} | {method} | {cd_name} | {kind} | {'x'.join(map(str, shape))} "
+                         f"| {b.top:.3f} | {b.low:.3f} | {b.high:.3f} |")
+    print(f"# {shape}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+  print("| backend | method | compute dtype | largest singular value | min response | max response |")
+  print("|---|---|---|---|---|---|")
+  for (backend, method, cd_name), (top, low, high) in sorted(worst.items()):
+    print(f"| {backend} | {method} | {cd_name} | {top:.3f} | {low:.3f} | {high:.3f} |")
+  print(f"\n{len(bad)} cases outside [{LOW:.2f}, {HIGH:.2f}] or above {HIGH}:\n")
+  if bad:
+    print("| backend | method | compute dtype | input | shape | largest singular value | min response | max response |")
+    print("|---|---|---|---|---|---|---|---|")
+    print("\n".join(bad))
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="wide and square shapes only")
   parser.add_argument("--flops", action="store_true", help="the GPU policy's weighted matmul FLOPs instead")
   parser.add_argument("--large", action="store_true", help="the GPU policy's band on 2048x8192 instead")
+  parser.add_argument("--more", action="store_true", help="other inputs and shapes instead (~10 min)")
   args = parser.parse_args()
+  if args.more:
+    return more()
   if args.flops:
     return flops()
   if args.large:
