@@ -344,10 +344,10 @@ def _iterate(X: jax.Array, table: np.ndarray, steps: Any, schatten4: bool, norm_
 def apply_step(B: jax.Array, gamma: Any, X: jax.Array, tall: bool, prec: Any, narrow: Any = None) -> jax.Array:
   """One step ``gamma X + B X`` (``B`` on the short side, ``step_matrix``), accumulated in ``B``'s
   float dtype and rounded once to ``X``'s. ``B`` is multiplied in ``X``'s dtype (float16 under
-  ``FLOAT16``); with ``narrow`` (``precision.first_step_parts``) as two parts, ``hi`` rounded to
+  ``FLOAT16``, unless float64); with ``narrow`` (``precision.first_step_parts``) as two parts, ``hi`` rounded to
   ``narrow`` and ``B - hi``: about twice its bits."""
   w = B.dtype
-  op = jnp.float16 if prec == FLOAT16 else X.dtype
+  op = jnp.float16 if prec == FLOAT16 and jnp.dtype(X.dtype).itemsize < 8 else X.dtype
   if narrow is None:
     BX = _left(B.astype(op), X, tall, w, prec)
   else:

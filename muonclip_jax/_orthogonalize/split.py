@@ -146,7 +146,8 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
     s = schatten4_scale(A, it["norm_scale"], eps)
     A = A / (s * s)
     X = (X.astype(jnp.float32) / s).astype(dtype)
-  def step_matrix(A):  # newton_schulz.step_matrix's B, its product split by rows
+
+  def b_of(A):  # newton_schulz.step_matrix's B of this step (c, alpha, b), its product split by rows
     D = A - alpha * jnp.broadcast_to(jnp.eye(m, dtype=A.dtype), A.shape)
     B = c * _sym_full(_rows(D, p, r), D, p, g, axes, prec)
     return B + b * A if b else B
@@ -156,7 +157,7 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
       c, alpha, b, gamma = (float(v) for v in table[min(k, last)])
       if k:
         A = gram_f(X, jnp.float32)
-      X = apply_step(step_matrix(A), gamma, X, False, prec, first_step_parts(prec, X.dtype) if k == 0 else None)
+      X = apply_step(b_of(A), gamma, X, False, prec, first_step_parts(prec, X.dtype) if k == 0 else None)
     return X.astype(x.dtype)
   R = A.astype(wdtype)
   eye = jnp.broadcast_to(jnp.eye(m, dtype=wdtype), R.shape)
@@ -164,7 +165,7 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
   for k in range(K):
     c, alpha, b, gamma = (float(v) for v in table[min(k, last)])
     R_rows = _rows(R, p, r)
-    H = step_matrix(R) + gamma * eye
+    H = b_of(R) + gamma * eye
     Q_rows = _rows(H, p, r) if Q_rows is None else matmul(Q_rows, H, prec)
     if k + 1 < K:
       R = _sym_full(matmul(R_rows, H, prec), H, p, g, axes, prec)  # R H H = H R H
