@@ -213,12 +213,12 @@ def test_a_step_matrix_in_square_form_is_the_steps_polynomial():
 
 
 def test_a_flat_spectrum_keeps_its_band_with_8_bit_operands():
-  """Two rows of Gaussian noise (singular values within 3% of each other) sit where polar_express_4's
-  first step maps them to 0.03 from terms of 8 to 17. Formed as ``a X + (b A + c A^2) X`` with ``c A^2``
+  """Two rows of Gaussian noise (singular values within 6% of each other) sit where polar_express_4's
+  first step multiplies by 0.03, from terms of 8 to 17. Formed as ``a X + (b A + c A^2) X`` with ``c A^2``
   from bfloat16 operands, that step was wrong by its whole value there: on this stack of three 2x1024
   gradients the smallest response was 0.55 on an emulated TPU (one bf16 pass; the standard iteration
   is its default) and -0.10 with bfloat16 compute on the CPU. Formed in float32 in square form
-  (``step_matrix``), 0.988 on both."""
+  (``step_matrix``, the first step's ``B`` in two parts), 0.988 on both."""
   g = jnp.asarray(make_input("gaussian", (3, 2, 1024), seed=1))
   for backend, compute in (("tpu", None), ("cpu", jnp.bfloat16)):
     with emulate(backend):

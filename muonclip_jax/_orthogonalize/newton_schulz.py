@@ -25,8 +25,8 @@ standard iteration takes ``X <- gamma X + B X``, accumulated in float32 and roun
 compute dtype; its first step's ``B`` goes in as two parts wherever the products round their
 operands below float32 (``apply_step``, ``precision.first_step_parts``).
 
-Both compute products whose result is symmetric (``X X^T``, ``(A - alpha I)^2``, ``H (R H)``) as their
-top half rows and bottom-right block, mirrored (``SYMMETRIC_MIN``): 3/4 of their FLOPs.
+Both compute products whose result is symmetric (``X X^T``, ``(A - alpha I)^2``, ``H (R H)``) as
+their top half rows and bottom-right block, mirrored (``SYMMETRIC_MIN``): 3/4 of their FLOPs.
 ``ns_flops`` counts what is computed.
 """
 
@@ -202,8 +202,8 @@ def ns_flops(shape: tuple[int, ...], *, steps: int | None = 5, coeffs: Any = "mu
 
   For ``m = min``, ``n = max`` of the last two sizes and ``K`` steps: ``"standard"``
   ``K (4 m^2 n + 2 m^3)``, plus ``2 m^2 n`` where its first step's ``B`` goes in as two parts
-  (products narrower than float32 under ``precision`` and ``compute_dtype``:
-  ``precision.first_step_parts``); ``"gram"`` ``4 m^2 n`` (``G`` and ``Q X_0``) plus, per run of
+  (products narrower than float32 under ``precision`` and ``compute_dtype``, None counted as
+  float32: ``precision.first_step_parts``); ``"gram"`` ``4 m^2 n`` (``G`` and ``Q X_0``) plus, per run of
   steps between restarts, ``2 m^3`` for ``R^2`` each step, ``2 m^3`` for ``H Q`` each step
   but the run's first and ``4 m^3`` for ``H R H`` each step but the last, plus ``4 m^2 n``
   per restart. Products known to be symmetric (``X X^T``, ``(A - alpha I)^2``, ``R^2``, ``H (R H)``)
@@ -344,8 +344,8 @@ def _iterate(X: jax.Array, table: np.ndarray, steps: Any, schatten4: bool, norm_
 def apply_step(B: jax.Array, gamma: Any, X: jax.Array, tall: bool, prec: Any, narrow: Any = None) -> jax.Array:
   """One step ``gamma X + B X`` (``B`` on the short side, ``step_matrix``), accumulated in ``B``'s
   float dtype and rounded once to ``X``'s. ``B`` is multiplied in ``X``'s dtype (float16 under
-  ``FLOAT16``, unless float64); with ``narrow`` (``precision.first_step_parts``) as two parts, ``hi`` rounded to
-  ``narrow`` and ``B - hi``: about twice its bits."""
+  ``FLOAT16``, unless float64); with ``narrow`` (``precision.first_step_parts``) as two parts,
+  ``hi`` rounded to ``narrow`` and ``B - hi``: about twice its bits."""
   w = B.dtype
   op = jnp.float16 if prec == FLOAT16 and jnp.dtype(X.dtype).itemsize < 8 else X.dtype
   if narrow is None:

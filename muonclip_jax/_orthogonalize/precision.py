@@ -99,12 +99,13 @@ def first_step_parts(prec: Any, dtype: Any) -> Any:
   (``newton_schulz.square_form``). The first step spans the widest range: ``polar_express_4``'s
   runs from 0.03 (around ``s = 0.82``) to 8.4 (small ``s``), a ratio of 280, and a ``B`` rounded
   entrywise to 8 bits (up to 2^-8 of its largest entries, 8.4) is wrong by up to the small
-  end's whole value; 11 bits (float16) by up to 14% of it. So the first step's ``B`` reaches its product as two
-  parts wherever the product's operands are narrower than float32: float16 under ``FLOAT16``,
-  bfloat16 at ``DEFAULT`` (a TPU's one pass) or for a bfloat16 iterate; float16 for a float16
-  one; None for float64 (its products are exact: ``matmul``). One more ``m x m`` by ``m x n``
-  product. (Ratios over the singular values a step sees: 280 for polar_express_4's first, 44 for
-  Polar Express's; 2.2 to 5.4 for every later step and Keller's quintic.)
+  end's whole value; 11 bits (float16) by up to 14% of it. So the first step's ``B`` reaches
+  its product as two parts wherever the product's operands are narrower than float32: float16
+  under ``FLOAT16``, bfloat16 at ``DEFAULT`` (a TPU's one pass) or for a bfloat16 iterate;
+  float16 for a float16 one; None for float64 (its products are exact: ``matmul``). One more
+  ``m x m`` by ``m x n`` product. (Ratios over the singular values a step sees: 280 for
+  polar_express_4's first, 44 for Polar Express's; 2.2 to 5.4 for every later step and Keller's
+  quintic.)
   """
   d = jnp.dtype(dtype)
   if d.itemsize >= 8:
