@@ -303,22 +303,29 @@ def square_form(table: np.ndarray) -> np.ndarray:
   return np.stack([c, alpha, np.where(quad, 0.0, b), a - c * alpha * alpha], axis=1)
 
 
-def step_matrix(A: jax.Array, row: Any, prec: Any = None, linear: bool = True) -> tuple[jax.Array, Any]:
+def square_table(table: np.ndarray, dtype: Any) -> tuple[jax.Array, bool]:
+  """``square_form(table)`` as an array of ``dtype``, and whether some row has ``c = 0`` (its
+  ``b' A`` term: ``step_matrix``'s ``linear``)."""
+  square = square_form(table)
+  return jnp.asarray(square, dtype), bool(np.any(square[:, 2]))
+
+
+def step_matrix(A: jax.Array, row: Any, prec: Any = None, linear: bool = True,
+                square: Any = None) -> tuple[jax.Array, Any]:
   """``(B, gamma)`` with ``a I + b A + c A^2 = B + gamma I`` for a symmetric float ``A`` and its
   ``square_form`` row: ``B = c (A - alpha I)^2 + b' A`` (the ``b' A`` term only if ``linear``:
-  some row has ``c = 0``), in ``A``'s dtype, its one product at ``prec``."""
+  some row has ``c = 0``), in ``A``'s dtype, its one product at ``prec`` (``square``: the
+  function that squares ``A - alpha I`` instead, as the split iteration's row blocks do)."""
   c, alpha, b, gamma = (row[j] for j in range(4))
   D = A - alpha * jnp.broadcast_to(jnp.eye(A.shape[-1], dtype=A.dtype), A.shape)
-  B = c * _sym_product(D, D, None, prec)
+  B = c * (_sym_product(D, D, None, prec) if square is None else square(D))
   return (B + b * A if linear else B), gamma
 
 
 def _iterate(X: jax.Array, table: np.ndarray, steps: Any, schatten4: bool, norm_scale: float,
              eps: float, tall: bool, prec: Any = None) -> jax.Array:
   wdtype = jnp.promote_types(X.dtype, jnp.float32)
-  square = square_form(table)
-  table_arr = jnp.asarray(square, wdtype)
-  linear = bool(np.any(square[:, 2]))
+  table_arr, linear = square_table(table, wdtype)
   last = table.shape[0] - 1
   row = (lambda i: table_arr[0]) if last == 0 else (lambda i: table_arr[jnp.minimum(i, last)])
 
@@ -381,9 +388,7 @@ def _gram_iterate(X0: jax.Array, table: np.ndarray, steps: Any, schatten4: bool,
     s = schatten4_scale(G, norm_scale, eps).astype(wdtype)
     G = G / (s * s)
     inv = 1.0 / s
-  square = square_form(table)
-  table_w = jnp.asarray(square, wdtype)
-  linear = bool(np.any(square[:, 2]))
+  table_w, linear = square_table(table, wdtype)
   last = table.shape[0] - 1
 
   if isinstance(steps, int):

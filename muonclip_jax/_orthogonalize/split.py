@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .newton_schulz import (SYMMETRIC_MIN, apply_factor, apply_step, divide_by_max, gram_of, schatten4_scale,
-                            square_form)
+                            square_form, step_matrix)
 from .precision import (einsum, first_step_parts, matmul, products, restarts as policy_restarts,
                         uses_gram)
 from .presets import GRAM_ASPECT, gram_restarts, resolve_coeffs, resolve_options, resolve_steps
@@ -147,25 +147,25 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
     A = A / (s * s)
     X = (X.astype(jnp.float32) / s).astype(dtype)
 
-  def b_of(A):  # newton_schulz.step_matrix's B of this step (c, alpha, b), its product split by rows
-    D = A - alpha * jnp.broadcast_to(jnp.eye(m, dtype=A.dtype), A.shape)
-    B = c * _sym_full(_rows(D, p, r), D, p, g, axes, prec)
-    return B + b * A if b else B
+  def square(D):  # the product of newton_schulz.step_matrix, from half its row blocks
+    return _sym_full(_rows(D, p, r), D, p, g, axes, prec)
 
   if not it["gram"]:
     for k in range(K):
-      c, alpha, b, gamma = (float(v) for v in table[min(k, last)])
+      row = tuple(float(v) for v in table[min(k, last)])
       if k:
         A = gram_f(X, jnp.float32)
-      X = apply_step(b_of(A), gamma, X, False, prec, first_step_parts(prec, X.dtype) if k == 0 else None)
+      B, gamma = step_matrix(A, row, prec, row[2] != 0, square)
+      X = apply_step(B, gamma, X, False, prec, first_step_parts(prec, X.dtype) if k == 0 else None)
     return X.astype(x.dtype)
   R = A.astype(wdtype)
   eye = jnp.broadcast_to(jnp.eye(m, dtype=wdtype), R.shape)
   Q_rows = None
   for k in range(K):
-    c, alpha, b, gamma = (float(v) for v in table[min(k, last)])
+    row = tuple(float(v) for v in table[min(k, last)])
     R_rows = _rows(R, p, r)
-    H = b_of(R) + gamma * eye
+    B, gamma = step_matrix(R, row, prec, row[2] != 0, square)
+    H = B + gamma * eye
     Q_rows = _rows(H, p, r) if Q_rows is None else matmul(Q_rows, H, prec)
     if k + 1 < K:
       R = _sym_full(matmul(R_rows, H, prec), H, p, g, axes, prec)  # R H H = H R H
