@@ -4,7 +4,7 @@
   python benchmarks/emulated_band.py --quick    # wide and square only
   python benchmarks/emulated_band.py --flops    # the GPU policy's matmul FLOPs against optax's
   python benchmarks/emulated_band.py --large    # the GPU policy's band on 2048x8192
-  python benchmarks/emulated_band.py --more     # 14 other inputs on 10 other shapes (~10 min)
+  python benchmarks/emulated_band.py --more     # 15 other inputs on 11 other shapes (~10 min)
 
 For each emulated backend (``tests/_emulated_backend.py``: float32 dots that name no
 precision get bf16 operands on "tpu", TF32 on "gpu", exact float32 on "cpu"), each
@@ -24,8 +24,9 @@ has entries that float16 holds only as subnormals (``_orthogonalize/precision.py
 
 ``--more`` runs the same update on other inputs (``MORE_KINDS``: low rank with other ranks and
 noise, condition 1e3 and 1e8, linear and clustered spectra, an orthogonal matrix, heavy tails,
-an outlier row or column, sparse, mean-dominated, entries of 1e20) and other shapes
-(``MORE_SHAPES``: 2 to 4096 rows, aspect up to 4096, stacks), each matrix of a stack drawn anew,
+an outlier row or column, sparse, mean-dominated with float32 and with bfloat16 values, entries
+of 1e20) and other shapes (``MORE_SHAPES``: 2 to 4096 rows, aspect up to 4096, stacks), each
+matrix of a stack drawn anew,
 and prints the worst case per backend, method and dtype and every case outside the band.
 
 ``--flops`` prints instead the GPU policy's matmul FLOPs, traced (no arrays) on the
@@ -113,7 +114,7 @@ def flops() -> None:
 
 
 MORE_SHAPES = ((64, 4096), (4096, 64), (200, 300), (128, 256), (256, 128), (33, 1000), (512, 512), (4, 64, 512),
-               (7, 96, 40), (2, 8192))
+               (7, 96, 40), (2, 8192), (3, 16, 2048))
 
 
 def more_kinds(m: int, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -143,6 +144,7 @@ def more_kinds(m: int, n: int, rng: np.random.Generator) -> dict[str, np.ndarray
       "sparse (5%)": rng.standard_normal((m, n)) * (rng.random((m, n)) < 0.05),
       "mean-dominated": 1.0 + 0.01 * rng.standard_normal((m, n)),
       "entries of 1e20": 1e20 * rng.standard_normal((m, n)),
+      "mean-dominated, bf16 values": (1.0 + 0.01 * rng.standard_normal((m, n))).astype(jnp.bfloat16),
   }
 
 

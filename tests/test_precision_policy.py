@@ -112,6 +112,15 @@ def test_the_policy_per_backend_and_its_override():
       traced = sum(f for _, f, _ in products(jax.make_jaxpr(lambda x: mc.newton_schulz(
           x, steps=4, precision=pol, compute_dtype=compute))(jnp.ones((64, 256))).jaxpr))
     assert traced == exact + 2 * 64 * 64 * 256, (pol, compute, traced)
+  # the Gram iteration's Q X_0 in two parts for a 16-bit X_0 (not under "float16": one float16 product)
+  for pol, compute, parts in (("highest", None, 1), ("highest", jnp.bfloat16, 2), ("float16", jnp.bfloat16, 1)):
+    with emulate("cpu"):
+      traced = sum(f for _, f, _ in products(jax.make_jaxpr(lambda x: mc.newton_schulz(
+          x, steps=4, method="gram", precision=pol, compute_dtype=compute))(jnp.ones((64, 256))).jaxpr))
+    counted = ns_flops((64, 256), steps=4, method="gram", precision=pol, compute_dtype=compute)
+    restarted = len(precision.restarts((), (), 4, precision.products(pol, True)))
+    assert traced == counted == ns_flops((64, 256), steps=4, method="gram", precision=pol) + (parts - 1) * (
+        1 + restarted) * 2 * 64 * 64 * 256, (pol, compute, traced, counted)
   x = jnp.asarray(make_input("cond_1e6", (64, 256)))
   for backend, pol in (("tpu", "highest"), ("tpu", "float16"), ("cpu", "float16")):  # another backend's policy
     with emulate(backend):
@@ -226,3 +235,23 @@ def test_a_flat_spectrum_keeps_its_band_with_8_bit_operands():
                                                compute_dtype=compute))(g)
     got = band(out, g)
     assert got.top <= 1.25 and 0.70 <= got.low and got.high <= 1.25, (backend, compute, got)
+
+
+def test_a_mean_dominated_gradient_of_bfloat16_values_keeps_the_gram_band():
+  """The Gram iteration forms ``G = X_0 X_0^T`` once and never corrects its rounding. Two 2x8192
+  gradients holding bfloat16 values, ones plus 1% noise (second singular value 0.7% of the first):
+  summed by one dot over the 8192 columns, ``G``'s float32 rounding moved its small eigenvalue by
+  about 30% and the update's largest singular value was 1.276 on the CPU (its default, ``"auto"``,
+  runs the Gram iteration) and on an emulated TPU's ``"gram"``, with float32 and bfloat16 compute
+  (JAX 0.10.2; 1.206 and 1.217 under JAX 0.12, whose dot sums in another order). Summed in chunks
+  of 256 columns (``newton_schulz.gram_in_chunks``): 1.200 under both."""
+  import numpy as np
+  rng = np.random.default_rng(0)
+  g = jnp.asarray(1.0 + 0.01 * rng.standard_normal((2, 2, 8192)), jnp.bfloat16).astype(jnp.float32)
+  for backend, method in (("cpu", "auto"), ("tpu", "gram"), ("gpu", "auto")):
+    for compute in (None, jnp.bfloat16):
+      opt = mc.muon(1.0, weight_decay=0.0, beta=0.0, ns_method=method, compute_dtype=compute, matrix_axes=STACK)
+      with emulate(backend):
+        updates, _ = jax.jit(opt.update)(g, opt.init(g), g)
+      got = band(-updates, g, scale=moonlight_scale(g.shape))
+      assert got.top <= 1.205 and got.low >= 0.769, (backend, method, compute, got)

@@ -18,6 +18,8 @@ Two ways to run the same polynomial iteration (``method``):
   step, instead of ``4 m^2 n + 2 m^3`` a step: fewer FLOPs once ``n >~ 1.5 m``. A
   *restart* before step ``k`` re-forms ``X_0 <- Q_k X_0`` and ``G`` from it, bounding how
   much rounding in ``Q`` can grow (``4 m^2 n`` FLOPs each, less three ``m x m`` products).
+  ``G`` is never re-formed otherwise, so a few-row ``X_0``'s is summed in chunks
+  (``gram_in_chunks``).
 
 Both form each step's ``m x m`` matrix ``a I + b A + c A^2 = B + gamma I`` in float32 (float64
 for float64), with ``B = c (A - alpha I)^2`` (``step_matrix``; ``square_form`` says why). The
@@ -128,7 +130,8 @@ def newton_schulz(
     Gaussian and condition-1e6 matrices, and that no output singular value exceeds the
     band's top. ``"gram"`` runs its ``m x m`` iteration in float32 whatever the dtype; it
     differs from ``"standard"`` by float32 rounding amplified by the conditioning of
-    ``X X^T``. The Polar Express table is optimized for all five steps: fewer steps leave a
+    ``X X^T`` (which, for a short side below 32, is summed over chunks of 256 columns:
+    ``gram_in_chunks``). The Polar Express table is optimized for all five steps: fewer steps leave a
     wider band; more steps converge to 1 (steps past the table use the converged quintic).
 
   Example:
@@ -206,7 +209,8 @@ def ns_flops(shape: tuple[int, ...], *, steps: int | None = 5, coeffs: Any = "mu
   float32: ``precision.first_step_parts``); ``"gram"`` ``4 m^2 n`` (``G`` and ``Q X_0``) plus, per run of
   steps between restarts, ``2 m^3`` for ``R^2`` each step, ``2 m^3`` for ``H Q`` each step
   but the run's first and ``4 m^3`` for ``H R H`` each step but the last, plus ``4 m^2 n``
-  per restart. Products known to be symmetric (``X X^T``, ``(A - alpha I)^2``, ``R^2``, ``H (R H)``)
+  per restart, and ``2 m^2 n`` more for each ``Q X_0`` that takes ``Q`` in two parts (a 16-bit
+  compute dtype, unless ``"float16"``: ``factor_parts``). Products known to be symmetric (``X X^T``, ``(A - alpha I)^2``, ``R^2``, ``H (R H)``)
   count 3/4 when ``m >= SYMMETRIC_MIN`` is even, as computed. Elementwise work (``O(m n)``
   a step) is left out. ``"auto"`` is resolved as ``newton_schulz`` resolves it under ``precision``.
   """
@@ -223,8 +227,10 @@ def ns_flops(shape: tuple[int, ...], *, steps: int | None = 5, coeffs: Any = "mu
     if first_step_parts(products(precision, False), compute_dtype or jnp.float32) is not None:
       total += mmn
   else:
-    restarts = policy_restarts(restarts, gram_restarts(coeffs, steps, ()), steps, products(precision, gram))
-    total = sym * mmn + mmn + len(restarts) * (mmn + sym * mmn)
+    prec = products(precision, gram)
+    restarts = policy_restarts(restarts, gram_restarts(coeffs, steps, ()), steps, prec)
+    factor = 2 * mmn if factor_parts(prec, compute_dtype or jnp.float32) else mmn  # Q X_0: apply_factor
+    total = sym * mmn + factor + len(restarts) * (factor + sym * mmn)
     bounds = (0,) + restarts + (steps,)
     for lo, hi in zip(bounds[:-1], bounds[1:]):
       k = hi - lo
@@ -262,6 +268,39 @@ def gram_of(X: jax.Array, tall: bool, dtype: Any = None, prec: Any = None) -> ja
   if tall:
     return _sym_product(_mT(X), X, dtype, prec, (c, c))
   return _sym_product(X, _mT(X), dtype, prec, (c, c))
+
+
+# The Gram iteration forms G = X_0 X_0^T once and iterates on it: G's float32 rounding is never
+# corrected (the standard iteration re-forms X X^T from each step's X, which absorbs it). One dot
+# sums n products per entry in float32, and where the terms repeat (a gradient of bfloat16 values,
+# ones plus 1% noise) the rounding is biased: on 2 x 8192 such gradients it moved G's small
+# eigenvalue (s^2 ~ 5e-5 at s = 7e-3, where the band starts) by 10-40%, and polar_express_4's
+# largest singular value reached 1.28-1.42. With a short side of a few rows G's entries are of
+# order 1 / m, large; measured, short sides of 2 to 16 left the band, 24 to 512 held (up to 32 x
+# 131072). Below GRAM_CHUNK_BELOW rows G is summed in chunks of GRAM_CHUNK columns: ~GRAM_CHUNK +
+# n / GRAM_CHUNK roundings per entry instead of n (2 x 8192: the small eigenvalue within 0.1%).
+GRAM_CHUNK, GRAM_CHUNK_BELOW = 256, 32
+
+
+def gram_in_chunks(X: jax.Array, tall: bool, dtype: Any = None, prec: Any = None) -> jax.Array:
+  """``gram_of(X, tall, dtype, prec)`` as a sum over chunks of ``GRAM_CHUNK`` columns (rows of a tall
+  ``X``) and the remainder where the short side is below ``GRAM_CHUNK_BELOW``: the same products,
+  ``n / GRAM_CHUNK`` Gram matrices of ``m x m`` summed in ``dtype`` (comment above). The chunks
+  are laid side by side first: one copy of ``X``, a few rows by ``n``."""
+  *batch, r, c = X.shape
+  m, n = (c, r) if tall else (r, c)
+  k = n // GRAM_CHUNK
+  if m >= GRAM_CHUNK_BELOW or k < 2:
+    return gram_of(X, tall, dtype, prec)
+  main = k * GRAM_CHUNK
+  if tall:  # (..., n, m) -> (..., k, GRAM_CHUNK, m)
+    chunks = X[..., :main, :].reshape(*batch, k, GRAM_CHUNK, m)
+    rest = X[..., main:, :]
+  else:  # (..., m, n) -> (..., k, m, GRAM_CHUNK)
+    chunks = jnp.swapaxes(X[..., :main].reshape(*batch, m, k, GRAM_CHUNK), -3, -2)
+    rest = X[..., main:]
+  G = jnp.sum(gram_of(chunks, tall, dtype, prec), axis=-3)
+  return G + gram_of(rest, tall, dtype, prec) if main < n else G
 
 
 def _left(P: jax.Array, X: jax.Array, tall: bool, dtype: Any = None, prec: Any = None) -> jax.Array:
@@ -363,14 +402,17 @@ def apply_step(B: jax.Array, gamma: Any, X: jax.Array, tall: bool, prec: Any, na
   return (gamma * X.astype(w) + BX).astype(X.dtype)
 
 
+def factor_parts(prec: Any, dtype: Any) -> bool:
+  """Whether ``apply_factor`` multiplies a float32 ``Q`` in two parts for an ``X0`` of ``dtype``."""
+  return prec != FLOAT16 and jnp.dtype(dtype).itemsize < 4
+
+
 def apply_factor(Q: jax.Array, X0: jax.Array, tall: bool, prec: Any = None) -> jax.Array:
   """``Q X0`` (or ``X0 Q^T``) for a float32 ``Q``: in X0's dtype, split in two if narrower
   (one product under the ``"float16"`` policy, whose ``matmul`` rounds the float32 ``Q`` to
   float16 once: ``precision``)."""
-  if prec == FLOAT16:
-    return _left(Q, X0, tall, None, prec)
-  if jnp.dtype(X0.dtype).itemsize >= jnp.dtype(Q.dtype).itemsize:
-    return _left(Q.astype(X0.dtype), X0, tall, None, prec)
+  if not factor_parts(prec, X0.dtype):
+    return _left(Q if prec == FLOAT16 else Q.astype(X0.dtype), X0, tall, None, prec)
   hi = Q.astype(X0.dtype)
   lo = (Q - hi.astype(Q.dtype)).astype(X0.dtype)
   return _left(hi, X0, tall, Q.dtype, prec) + _left(lo, X0, tall, Q.dtype, prec)
@@ -381,7 +423,7 @@ def _gram_iterate(X0: jax.Array, table: np.ndarray, steps: Any, schatten4: bool,
                   prec: Any = None) -> jax.Array:
   """Gram Newton–Schulz (module docstring): ``Q_K X_0`` from ``m x m`` iterations."""
   wdtype = jnp.promote_types(X0.dtype, jnp.float32)
-  G = gram_of(X0, tall, wdtype, prec)
+  G = gram_in_chunks(X0, tall, wdtype, prec)
   eye = jnp.broadcast_to(jnp.eye(G.shape[-1], dtype=wdtype), G.shape)
   inv = None  # 1 / s of the Schatten-4 normalization, folded into Q
   if schatten4:
@@ -397,7 +439,7 @@ def _gram_iterate(X0: jax.Array, table: np.ndarray, steps: Any, schatten4: bool,
       if k in restarts:
         X0 = apply_factor(Q if inv is None else Q * inv, X0, tall, prec).astype(X0.dtype)
         inv, Q = None, None
-        R = gram_of(X0, tall, wdtype, prec)
+        R = gram_in_chunks(X0, tall, wdtype, prec)
       B, gamma = step_matrix(R, table_w[min(k, last)], prec, linear)
       H = B + gamma * eye
       Q = H if Q is None else matmul(H, Q, prec)
@@ -415,7 +457,7 @@ def _gram_iterate(X0: jax.Array, table: np.ndarray, steps: Any, schatten4: bool,
       def restart(c):
         X, Q, _ = c
         X = apply_factor(Q, X, tall, prec).astype(X.dtype)
-        return X, eye, gram_of(X, tall, wdtype, prec)
+        return X, eye, gram_in_chunks(X, tall, wdtype, prec)
       X, Q, R = jax.lax.cond(jnp.any(i == restart_arr), restart, lambda c: c, (X, Q, R))
     B, gamma = step_matrix(R, table_w[jnp.minimum(i, last)], prec, linear)
     H = B + gamma * eye

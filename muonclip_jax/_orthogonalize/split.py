@@ -8,7 +8,8 @@ matrix (``m <= n``), and ends with the same slab of the result. Both iterations 
   ``B = c (A - alpha I)^2`` (``newton_schulz.step_matrix``: ``a I + b A + c A^2 = B + gamma I``)
   with its square from half its row blocks (``_sym_full``), then ``X_j <- gamma X_j + B X_j``
   locally.
-* ``"gram"``: ``G = sum_j X_j X_j^T`` (one all-reduce), then the ``m x m`` iteration split
+* ``"gram"``: ``G = sum_j X_j X_j^T`` (one all-reduce; each slab's in chunks for a short side
+  below 32, as ``newton_schulz.gram_in_chunks``), then the ``m x m`` iteration split
   by rows: device ``p`` holds rows ``p m/g ..`` of ``Q``. Every iterate is a polynomial in
   ``G``, so they commute: ``Q_{k+1} = Q_k H_k`` and ``R_{k+1} = R_k H_k H_k``. Each device
   keeps the whole ``R_k`` and ``H_k``: the symmetric ``R_k^2`` and ``R_k H_k H_k`` come from
@@ -32,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .newton_schulz import (SYMMETRIC_MIN, apply_factor, apply_step, divide_by_max, gram_of, schatten4_scale,
-                            square_form, step_matrix)
+from .newton_schulz import (SYMMETRIC_MIN, apply_factor, apply_step, divide_by_max, gram_in_chunks, gram_of,
+                            schatten4_scale, square_form, step_matrix)
 from .precision import (einsum, first_step_parts, matmul, products, restarts as policy_restarts,
                         uses_gram)
 from .presets import GRAM_ASPECT, gram_restarts, resolve_coeffs, resolve_options, resolve_steps
@@ -136,8 +137,9 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
   floor = eps / amax
   X = y.astype(dtype)
   prec = it.get("prec")
-  gram_f = lambda X, t=None: jax.lax.psum(gram_of(X, False, t, prec), axes)
-  A = gram_f(X, jnp.float32)  # X X^T of x / max |x|, float32: its trace is the squared norm
+  gram_f = lambda X, t=None, of=gram_of: jax.lax.psum(of(X, False, t, prec), axes)
+  # X X^T of x / max |x|, float32: its trace is the squared norm (the Gram iteration's G: in chunks)
+  A = gram_f(X, jnp.float32, gram_in_chunks if it["gram"] else gram_of)
   fro = jnp.sqrt(jnp.trace(A, axis1=-2, axis2=-1))[..., None, None]
   denom = fro * (1.0 if it["schatten4"] else it["norm_scale"]) + floor
   X = (y / denom).astype(dtype)
