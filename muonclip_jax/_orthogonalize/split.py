@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .newton_schulz import (SYMMETRIC_MIN, apply_factor, apply_step, divide_by_max, gram_in_chunks, gram_of,
-                            schatten4_scale, square_form, step_matrix)
+from .newton_schulz import (SYMMETRIC_MIN, apply_factor, apply_step, divide_by_max, factor_parts, gram_in_chunks,
+                            gram_of, schatten4_scale, square_form, step_matrix)
 from .precision import (einsum, first_step_parts, matmul, products, restarts as policy_restarts,
                         uses_gram)
 from .presets import GRAM_ASPECT, gram_restarts, resolve_coeffs, resolve_options, resolve_steps
@@ -72,7 +72,9 @@ def cost(it: dict, m: int, n: int, g: int, itemsize: int) -> tuple[float, list[t
   The collectives are those of ``iterate`` on one matrix; a stack of ``q`` has ``q`` times
   the bytes in the same collectives. They carry float32 whatever the compute dtype (the
   ``m x m`` matrices are formed and reduced in float32; XLA:CPU would widen a bf16
-  reduction anyway), so ``itemsize`` is unused here. The FLOPs count the matmuls and, unlike ``ns_flops``,
+  reduction anyway). ``itemsize``, the iterate's, says whether a 16-bit iterate takes the
+  standard first step's ``B`` or the Gram factor ``Q`` in two parts (one more ``m x m`` by
+  ``m x n/g`` product, as ``ns_flops`` counts). The FLOPs count the matmuls and, unlike ``ns_flops``,
   the ``m x m`` elementwise work every device of the group repeats (``4 m^2`` a step: the
   polynomial ``a I + b R + c R^2``), which matters once ``g`` approaches ``m``.
   """
@@ -82,10 +84,12 @@ def cost(it: dict, m: int, n: int, g: int, itemsize: int) -> tuple[float, list[t
   half = 2 * h * r * r * m  # a symmetric m x m product from row blocks (``_sym_full``)
   half_bytes = g * h * r * r
   amax = [("all-reduce", 4, g)]  # the largest magnitude (pmax), one float32 per matrix
+  width = jnp.dtype(f"float{8 * itemsize}")  # all first_step_parts and factor_parts read of the dtype
   if not it["gram"]:
     flops = K * (sym * 2 * m * m * w + half + 2 * m * m * w + 4 * m * m)
+    flops += 2 * m * m * w if first_step_parts(it.get("prec"), width) is not None else 0
     return flops, amax + [("all-reduce", m * m * 4, g), ("all-gather", half_bytes * 4, g)] * K
-  f = sym * 2 * m * m * w + 2 * m * m * w
+  f = sym * 2 * m * m * w + (2 if factor_parts(it.get("prec"), width) else 1) * 2 * m * m * w
   f += K * (half + 4 * m * m) + (K - 1) * 2 * r * m * m + (K - 1) * (2 * r * m * m + half)
   wb = 4  # the m x m iteration runs in float32 (or wider)
   colls = [("all-reduce", m * m * wb, g)] + [("all-gather", half_bytes * wb, g)] * (2 * K - 1)
