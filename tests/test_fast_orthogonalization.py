@@ -17,7 +17,7 @@ from muonclip_jax._orthogonalize import gram_of, ns_flops, presets
 from _exactness import assert_same_math
 
 # the module, not the function _orthogonalize re-exports under the same name
-NS_MODULE = importlib.import_module("muonclip_jax._orthogonalize.newton_schulz")
+SYM_MODULE = importlib.import_module("muonclip_jax._orthogonalize.symmetric")
 
 CUTOFF = 3e-3
 # (preset, dtype) -> band of output singular values (see newton_schulz's docstring), for
@@ -156,7 +156,7 @@ def test_symmetric_block_products_match_full_products(method, monkeypatch):
   odd = jax.random.normal(jax.random.key(7), (25, 25))
   kw = dict(steps=None, coeffs="polar_express_4", method=method)
   full = [mc.newton_schulz(x, **kw), mc.newton_schulz(jnp.swapaxes(x, 1, 2), **kw), mc.newton_schulz(odd, **kw)]
-  monkeypatch.setattr(NS_MODULE, "SYMMETRIC_MIN", 8)
+  monkeypatch.setattr(SYM_MODULE, "SYMMETRIC_MIN", 8)
   blocked = [mc.newton_schulz(x, **kw), mc.newton_schulz(jnp.swapaxes(x, 1, 2), **kw), mc.newton_schulz(odd, **kw)]
   chex.assert_trees_all_close(blocked, full, atol=2e-5)
   A = jax.random.normal(jax.random.key(8), (16, 40))
@@ -171,7 +171,7 @@ def test_the_gram_iterations_gram_matrix_is_summed_in_chunks():
   input of bfloat16 values its small eigenvalue is within 1% of float64's (one dot's was 30% off on this
   CPU, an error that depends on the dot's order of summation)."""
   def dots(shape, tall):
-    jaxpr = jax.make_jaxpr(lambda x: NS_MODULE.gram_in_chunks(x, tall, jnp.float32, jax.lax.Precision.HIGHEST))
+    jaxpr = jax.make_jaxpr(lambda x: SYM_MODULE.gram_in_chunks(x, tall, jnp.float32, jax.lax.Precision.HIGHEST))
     return [e.params["dimension_numbers"][1][0] for e in jaxpr(jnp.ones(shape)).jaxpr.eqns
             if e.primitive.name == "dot_general"]  # each dot's lhs batch dims
 
@@ -179,7 +179,7 @@ def test_the_gram_iterations_gram_matrix_is_summed_in_chunks():
   for shape, tall, batch_dots in (((3, 1000), False, 1), ((2, 5, 600), False, 1), ((1100, 4), True, 1),
                                   ((3, 512), False, 1), ((32, 1024), False, 0), ((3, 300), False, 0)):
     x = rng.standard_normal(shape)
-    got = NS_MODULE.gram_in_chunks(jnp.asarray(x, jnp.float32), tall, jnp.float32, jax.lax.Precision.HIGHEST)
+    got = SYM_MODULE.gram_in_chunks(jnp.asarray(x, jnp.float32), tall, jnp.float32, jax.lax.Precision.HIGHEST)
     want = np.swapaxes(x, -1, -2) @ x if tall else x @ np.swapaxes(x, -1, -2)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     chunked = [d for d in dots(shape, tall) if len(d) > len(shape) - 2]  # a batch axis beyond x's
@@ -187,7 +187,7 @@ def test_the_gram_iterations_gram_matrix_is_summed_in_chunks():
   g = jnp.asarray(1.0 + 0.01 * rng.standard_normal((2, 8192)), jnp.bfloat16)
   g64 = np.asarray(g.astype(jnp.float32), np.float64)
   want = np.linalg.eigvalsh(g64 @ g64.T)[0]
-  got = np.linalg.eigvalsh(np.asarray(NS_MODULE.gram_in_chunks(g, False, jnp.float32, jax.lax.Precision.HIGHEST),
+  got = np.linalg.eigvalsh(np.asarray(SYM_MODULE.gram_in_chunks(g, False, jnp.float32, jax.lax.Precision.HIGHEST),
                                       np.float64))[0]
   assert abs(got - want) <= 0.01 * want, (got, want)
 

@@ -244,7 +244,7 @@ def test_a_mean_dominated_gradient_of_bfloat16_values_keeps_the_gram_band():
   about 30% and the update's largest singular value was 1.276 on the CPU (its default, ``"auto"``,
   runs the Gram iteration) and on an emulated TPU's ``"gram"``, with float32 and bfloat16 compute
   (JAX 0.10.2; 1.206 and 1.217 under JAX 0.12, whose dot sums in another order). Summed in chunks
-  of 256 columns (``newton_schulz.gram_in_chunks``): 1.200 under both."""
+  of 256 columns (``symmetric.gram_in_chunks``): 1.200 under both."""
   import numpy as np
   rng = np.random.default_rng(0)
   g = jnp.asarray(1.0 + 0.01 * rng.standard_normal((2, 2, 8192)), jnp.bfloat16).astype(jnp.float32)

@@ -19,7 +19,7 @@ Two ways to run the same polynomial iteration (``method``):
   *restart* before step ``k`` re-forms ``X_0 <- Q_k X_0`` and ``G`` from it, bounding how
   much rounding in ``Q`` can grow (``4 m^2 n`` FLOPs each, less three ``m x m`` products).
   ``G`` is never re-formed otherwise, so a few-row ``X_0``'s is summed in chunks
-  (``gram_in_chunks``).
+  (``symmetric.gram_in_chunks``).
 
 Both form each step's ``m x m`` matrix ``a I + b A + c A^2 = B + gamma I`` in float32 (float64
 for float64), with ``B = c (A - alpha I)^2`` (``step_matrix``; ``square_form`` says why). The
@@ -28,7 +28,7 @@ compute dtype; its first step's ``B`` goes in as two parts wherever the products
 operands below float32 (``apply_step``, ``precision.first_step_parts``).
 
 Both compute products whose result is symmetric (``X X^T``, ``(A - alpha I)^2``, ``H (R H)``) as
-their top half rows and bottom-right block, mirrored (``SYMMETRIC_MIN``): 3/4 of their FLOPs.
+their top half rows and bottom-right block, mirrored (``symmetric``): 3/4 of their FLOPs.
 ``ns_flops`` counts what is computed.
 """
 
@@ -43,6 +43,7 @@ import numpy as np
 from .precision import (FLOAT16, first_step_parts, iterate_scale, matmul, products, restarts as policy_restarts,
                         uses_gram)
 from .presets import GRAM_ASPECT, gram_restarts, resolve_coeffs, resolve_options, resolve_steps
+from .symmetric import SYMMETRIC_MIN, gram_in_chunks, gram_of, sym_product
 
 
 def newton_schulz(
@@ -131,7 +132,7 @@ def newton_schulz(
     band's top. ``"gram"`` runs its ``m x m`` iteration in float32 whatever the dtype; it
     differs from ``"standard"`` by float32 rounding amplified by the conditioning of
     ``X X^T`` (which, for a short side below 32, is summed over chunks of 256 columns:
-    ``gram_in_chunks``). The Polar Express table is optimized for all five steps: fewer steps leave a
+    ``symmetric.gram_in_chunks``). The Polar Express table is optimized for all five steps: fewer steps leave a
     wider band; more steps converge to 1 (steps past the table use the converged quintic).
 
   Example:
@@ -239,75 +240,11 @@ def ns_flops(shape: tuple[int, ...], *, steps: int | None = 5, coeffs: Any = "mu
   return int(round(count * total))
 
 
-def _mT(x: jax.Array) -> jax.Array:
-  return jnp.swapaxes(x, -1, -2)
-
-
-# Products known to be symmetric (X X^T, A A, H (R H)) of size >= SYMMETRIC_MIN compute the
-# top half of the rows and the bottom-right block only, and mirror the bottom-left block:
-# 3/4 of the FLOPs, in two matmuls. (No symmetric-product routine is exposed by XLA.)
-SYMMETRIC_MIN = 512
-
-
-def _sym_product(P: jax.Array, Q: jax.Array, dtype: Any = None, prec: Any = None,
-                 scales: tuple[float, float] = (1.0, 1.0)) -> jax.Array:
-  """``P @ Q`` for a product known to be symmetric (square, ``m x m``), at precision ``prec``
-  (``precision.matmul``; ``scales``: its float16 operand scales)."""
-  m = P.shape[-2]
-  if m < SYMMETRIC_MIN or m % 2:
-    return matmul(P, Q, prec, dtype, scales)
-  h = m // 2
-  top = matmul(P[..., :h, :], Q, prec, dtype, scales)  # [C11 C12]
-  c22 = matmul(P[..., h:, :], Q[..., :, h:], prec, dtype, scales)
-  return jnp.concatenate([top, jnp.concatenate([_mT(top[..., :, h:]), c22], axis=-1)], axis=-2)
-
-
-def gram_of(X: jax.Array, tall: bool, dtype: Any = None, prec: Any = None) -> jax.Array:
-  """The smaller Gram matrix: ``X X^T`` of a wide ``X``, ``X^T X`` of a tall one."""
-  c = iterate_scale(X, prec)
-  if tall:
-    return _sym_product(_mT(X), X, dtype, prec, (c, c))
-  return _sym_product(X, _mT(X), dtype, prec, (c, c))
-
-
-# The Gram iteration forms G = X_0 X_0^T once and iterates on it: G's float32 rounding is never
-# corrected (the standard iteration re-forms X X^T from each step's X, which absorbs it). One dot
-# sums n products per entry in float32, and where the terms repeat (a gradient of bfloat16 values,
-# ones plus 1% noise) the rounding is biased: on 2 x 8192 such gradients it moved G's small
-# eigenvalue (s^2 ~ 5e-5 at s = 7e-3, where the band starts) by 10-40%, and polar_express_4's
-# largest singular value reached 1.28-1.42. With a short side of a few rows G's entries are of
-# order 1 / m, large; measured, short sides of 2 to 16 left the band, 24 to 512 held (up to 32 x
-# 131072). Below GRAM_CHUNK_BELOW rows G is summed in chunks of GRAM_CHUNK columns: ~GRAM_CHUNK +
-# n / GRAM_CHUNK roundings per entry instead of n (2 x 8192: the small eigenvalue within 0.1%).
-GRAM_CHUNK, GRAM_CHUNK_BELOW = 256, 32
-
-
-def gram_in_chunks(X: jax.Array, tall: bool, dtype: Any = None, prec: Any = None) -> jax.Array:
-  """``gram_of(X, tall, dtype, prec)`` as a sum over chunks of ``GRAM_CHUNK`` columns (rows of a tall
-  ``X``) and the remainder where the short side is below ``GRAM_CHUNK_BELOW``: the same products,
-  ``n / GRAM_CHUNK`` Gram matrices of ``m x m`` summed in ``dtype`` (comment above). The chunks
-  are laid side by side first: one copy of ``X``, a few rows by ``n``."""
-  *batch, r, c = X.shape
-  m, n = (c, r) if tall else (r, c)
-  k = n // GRAM_CHUNK
-  if m >= GRAM_CHUNK_BELOW or k < 2:
-    return gram_of(X, tall, dtype, prec)
-  main = k * GRAM_CHUNK
-  if tall:  # (..., n, m) -> (..., k, GRAM_CHUNK, m)
-    chunks = X[..., :main, :].reshape(*batch, k, GRAM_CHUNK, m)
-    rest = X[..., main:, :]
-  else:  # (..., m, n) -> (..., k, m, GRAM_CHUNK)
-    chunks = jnp.swapaxes(X[..., :main].reshape(*batch, m, k, GRAM_CHUNK), -3, -2)
-    rest = X[..., main:]
-  G = jnp.sum(gram_of(chunks, tall, dtype, prec), axis=-3)
-  return G + gram_of(rest, tall, dtype, prec) if main < n else G
-
-
 def _left(P: jax.Array, X: jax.Array, tall: bool, dtype: Any = None, prec: Any = None) -> jax.Array:
   """``P`` applied on the short side: ``P X`` (wide), ``X P^T`` (tall; the transpose of ``P X^T``)."""
   c = iterate_scale(X, prec)
   if tall:
-    return matmul(X, _mT(P), prec, dtype, (c, 1.0))
+    return matmul(X, jnp.matrix_transpose(P), prec, dtype, (c, 1.0))
   return matmul(P, X, prec, dtype, (1.0, c))
 
 
@@ -357,7 +294,7 @@ def step_matrix(A: jax.Array, row: Any, prec: Any = None, linear: bool = True,
   function that squares ``A - alpha I`` instead, as the split iteration's row blocks do)."""
   c, alpha, b, gamma = (row[j] for j in range(4))
   D = A - alpha * jnp.broadcast_to(jnp.eye(A.shape[-1], dtype=A.dtype), A.shape)
-  B = c * (_sym_product(D, D, None, prec) if square is None else square(D))
+  B = c * (sym_product(D, D, None, prec) if square is None else square(D))
   return (B + b * A if linear else B), gamma
 
 
@@ -444,7 +381,7 @@ def _gram_iterate(X0: jax.Array, table: np.ndarray, steps: Any, schatten4: bool,
       H = B + gamma * eye
       Q = H if Q is None else matmul(H, Q, prec)
       if k + 1 < steps and k + 1 not in restarts:
-        R = _sym_product(H, matmul(R, H, prec), None, prec)
+        R = sym_product(H, matmul(R, H, prec), None, prec)
     return apply_factor(Q if inv is None else Q * inv, X0, tall, prec).astype(X0.dtype)
 
   # Traced step count (inject_hyperparams): a generic loop from Q = I.
@@ -461,7 +398,7 @@ def _gram_iterate(X0: jax.Array, table: np.ndarray, steps: Any, schatten4: bool,
       X, Q, R = jax.lax.cond(jnp.any(i == restart_arr), restart, lambda c: c, (X, Q, R))
     B, gamma = step_matrix(R, table_w[jnp.minimum(i, last)], prec, linear)
     H = B + gamma * eye
-    return X, matmul(H, Q, prec), _sym_product(H, matmul(R, H, prec), None, prec)
+    return X, matmul(H, Q, prec), sym_product(H, matmul(R, H, prec), None, prec)
 
   X, Q, _ = jax.lax.fori_loop(0, steps, body, (X0, Q0, G))
   return apply_factor(Q, X, tall, prec).astype(X0.dtype)

@@ -9,7 +9,7 @@ matrix (``m <= n``), and ends with the same slab of the result. Both iterations 
   with its square from half its row blocks (``_sym_full``), then ``X_j <- gamma X_j + B X_j``
   locally.
 * ``"gram"``: ``G = sum_j X_j X_j^T`` (one all-reduce; each slab's in chunks for a short side
-  below 32, as ``newton_schulz.gram_in_chunks``), then the ``m x m`` iteration split
+  below 32, as ``symmetric.gram_in_chunks``), then the ``m x m`` iteration split
   by rows: device ``p`` holds rows ``p m/g ..`` of ``Q``. Every iterate is a polynomial in
   ``G``, so they commute: ``Q_{k+1} = Q_k H_k`` and ``R_{k+1} = R_k H_k H_k``. Each device
   keeps the whole ``R_k`` and ``H_k``: the symmetric ``R_k^2`` and ``R_k H_k H_k`` come from
@@ -33,11 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .newton_schulz import (SYMMETRIC_MIN, apply_factor, apply_step, divide_by_max, factor_parts, gram_in_chunks,
-                            gram_of, schatten4_scale, square_form, step_matrix)
+from .newton_schulz import (apply_factor, apply_step, divide_by_max, factor_parts, schatten4_scale, square_form,
+                            step_matrix)
 from .precision import (einsum, first_step_parts, matmul, products, restarts as policy_restarts,
                         uses_gram)
 from .presets import GRAM_ASPECT, gram_restarts, resolve_coeffs, resolve_options, resolve_steps
+from .symmetric import SYMMETRIC_MIN, gram_in_chunks, gram_of
 
 
 def resolve(ns_kwargs: dict, m: int, n: int) -> dict | None:
