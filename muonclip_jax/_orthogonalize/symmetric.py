@@ -49,11 +49,11 @@ def gram_of(X: jax.Array, tall: bool, dtype: Any = None, prec: Any = None) -> ja
 # corrected (the standard iteration re-forms X X^T from each step's X, which absorbs it). One dot
 # sums n products per entry in float32, and where the terms repeat (a gradient of bfloat16 values,
 # ones plus 1% noise) the rounding is biased: on 2 x 8192 such gradients it moved G's small
-# eigenvalue (s^2 ~ 5e-5 at s = 7e-3, where the band starts) by 10-40%, and polar_express_4's
+# eigenvalue (s^2 ~ 5e-5 at s = 7e-3, near the band's start, 3e-3) by 10-40%, and polar_express_4's
 # largest singular value reached 1.28-1.42. With a short side of a few rows G's entries are of
 # order 1 / m, large; measured, short sides of 2 to 16 left the band, 24 to 512 held (up to 32 x
 # 131072). Below GRAM_CHUNK_BELOW rows G is summed in chunks of GRAM_CHUNK columns: ~GRAM_CHUNK +
-# n / GRAM_CHUNK roundings per entry instead of n (2 x 8192: the small eigenvalue within 0.1%).
+# n / GRAM_CHUNK roundings per entry instead of n (2 x 8192: the small eigenvalue 0.1% off).
 GRAM_CHUNK, GRAM_CHUNK_BELOW = 256, 32
 
 
