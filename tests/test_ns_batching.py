@@ -56,12 +56,22 @@ def test_a_leaf_is_never_cut_and_stacks_follow_the_leaves():
 
 def test_per_call_is_one_on_cpu_and_a_flop_budget_on_accelerators(monkeypatch):
   kw = dict(steps=None, coeffs="polar_express_4", method="auto")
-  assert batching.per_call(256, 256, 48, kw) == 1
+  assert batching.per_call(256, 256, 48, F32, kw) == 1
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   flops = ns_flops((256, 1024), **kw)
-  assert batching.per_call(256, 1024, 10**6, kw) == int(batching.CALL_FLOPS // flops)
-  assert batching.per_call(256, 1024, 3, kw) == 3  # never more than the stack
-  assert batching.per_call(8192, 8192, 16, kw) == 1
+  assert batching.per_call(256, 1024, 10**6, F32, kw) == int(batching.CALL_FLOPS // flops)
+  assert batching.per_call(256, 1024, 3, F32, kw) == 3  # never more than the stack
+  assert batching.per_call(8192, 8192, 16, F32, kw) == 1
+  # The FLOPs counted are those of the iteration's dtype: on a TPU a bfloat16 Gram iteration
+  # takes its factor Q in two parts (ns_flops), so fewer matrices make a call.
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  gram = dict(kw, method="gram")
+  counts = {}
+  for dtype, given in ((F32, None), (jnp.bfloat16, None), (F32, jnp.bfloat16)):
+    flops = ns_flops((256, 1024), **gram, compute_dtype=given or dtype)
+    counts[dtype, given] = batching.per_call(256, 1024, 10**6, dtype, dict(gram, compute_dtype=given))
+    assert counts[dtype, given] == int(batching.CALL_FLOPS // flops)
+  assert counts[F32, None] > counts[jnp.bfloat16, None] == counts[F32, jnp.bfloat16]
 
 
 def _tree(key=0):

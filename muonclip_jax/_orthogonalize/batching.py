@@ -111,14 +111,15 @@ def plan_calls(keys: list, counts: list[int], batch: int | None) -> list[list[in
   return sorted(chunks, key=lambda c: c[0])
 
 
-def per_call(m: int, n: int, size: int, ns_kwargs: dict) -> int:
-  """Matrices per batched call in a stack of ``size`` ``m x n`` matrices (see the module docstring)."""
+def per_call(m: int, n: int, size: int, dtype: Any, ns_kwargs: dict) -> int:
+  """Matrices per batched call in a stack of ``size`` ``m x n`` matrices of ``dtype`` (the
+  iteration's compute dtype unless ``ns_kwargs`` names one; see the module docstring)."""
   if jax.default_backend() == "cpu":
     return 1
   steps = ns_kwargs.get("steps")
   kw = dict(steps=None if isinstance(steps, jax.core.Tracer) else steps, coeffs=ns_kwargs.get("coeffs", "muon"),
             method=ns_kwargs.get("method", "standard"), restarts=ns_kwargs.get("restarts", ()),
-            precision=ns_kwargs.get("precision"))
+            precision=ns_kwargs.get("precision"), compute_dtype=ns_kwargs.get("compute_dtype") or dtype)
   return max(1, min(size, int(CALL_FLOPS // max(1, ns_flops((m, n), **kw)))))
 
 
@@ -177,7 +178,7 @@ def orthogonalize_leaves(gs: list, states: list, specs: list, step: Callable, fi
     if not looped:
       stepped = [step(mats(i, g), *(mats(i, x) for x in st)) for i, (g, st) in zip(chunk, raw)]
       x = stepped[0][0] if len(chunk) == 1 else jnp.concatenate([d for d, _ in stepped], axis=0)
-      k = batch if batch is not None else per_call(x.shape[1], x.shape[2], x.shape[0], ns_kwargs)
+      k = batch if batch is not None else per_call(x.shape[1], x.shape[2], x.shape[0], x.dtype, ns_kwargs)
       out = ns(x) if x.shape[0] <= k or whole[chunk[0]] else jax.lax.map(ns, x, batch_size=k)
       news = [new for _, new in stepped]
     else:
@@ -233,7 +234,7 @@ def _loop(inputs: list[tuple], ns: Callable, step: Callable, ns_kwargs: dict, do
   sliced out of a stack, so that a stack's sharding stays.
   """
   first = inputs[0][0]
-  k = first.shape[0] if whole else per_call(first.shape[1], first.shape[2], len(inputs), ns_kwargs)
+  k = first.shape[0] if whole else per_call(first.shape[1], first.shape[2], len(inputs), first.dtype, ns_kwargs)
   per = 1 if whole else k  # leaves per iteration
   steps = -(-len(inputs) // per)
   pad = steps * per - len(inputs)  # the last iteration's padding: copies of the last leaf, dropped after
