@@ -178,15 +178,16 @@ def test_the_gpu_path_multiplies_16_bit_operands_only_and_fewer_weighted_flops_t
   same matrices: <= 0.6 on wide 64x256, <= 0.8 on square 64x64, <= 0.65 on a 4x64x224 expert stack
   (the time goals on an H100 against optax, taken as FLOPs). The stack is one Newton–Schulz call: every
   product batches its 4 experts, none a zero-padded slot. Where the program has no loop (XLA's
-  cost analysis counts a loop's body once: the square matrix's steps are a scan), the traced
-  count is XLA's cost analysis of the compiled update less its elementwise work (at most 10%)."""
+  cost analysis counts a loop's body once; the standard iteration, which the square matrix takes,
+  runs its steps in a rolled loop), the traced count is XLA's cost analysis of the compiled update
+  less its elementwise work (at most 10%)."""
   from optax import contrib
   cases = {"wide": ((64, 256), 0.6), "square": ((64, 64), 0.8), "experts": ((4, 64, 224), 0.65)}
   for name, (shape, goal) in cases.items():
     g = {"w": jnp.asarray(make_input("gaussian", shape))}
     dims = {"w": contrib.MuonDimensionNumbers((1,), (2,))} if len(shape) == 3 else None
     theirs_opt = contrib.muon(1.0, muon_weight_dimension_numbers=dims)
-    theirs_fn = lambda t: theirs_opt.update(t, theirs_opt.init(t), t)  # noqa: E731
+    theirs_fn = lambda t, o=theirs_opt: o.update(t, o.init(t), t)  # noqa: E731
     theirs, _, _ = weighted_flops(theirs_fn, g)
     for compute in (None, jnp.bfloat16):
       opt = mc.muon(1.0, compute_dtype=compute, matrix_axes=_axes)
