@@ -102,6 +102,8 @@ def test_the_policy_per_backend_and_its_override():
   assert precision.restarts((), (), 5, f16) == (2, 4) and precision.restarts((3,), (), 4, f16) == (3,)
   assert precision.restarts((), (), 4, highest) == () and precision.restarts((), (5,), 10, highest) == (5,)
   assert precision.restarts((), (5,), 10, f16) == (2, 4, 5, 6, 8)
+  # exact products: one every 5 steps past the presets' counts (DeepSeek-V4's own is the same)
+  assert precision.restarts((), (), 5, highest) == () and precision.restarts((), (), 12, highest) == (5, 10)
   assert ns_flops((64, 256), steps=4, method="gram", precision="float16") == ns_flops(
       (64, 256), steps=4, method="gram", precision="highest", restarts=(2,))
   # the standard iteration's first step in two parts where its products are narrower than float32
@@ -152,6 +154,25 @@ def test_without_its_restart_the_float16_gram_iteration_leaves_the_band(monkeypa
   monkeypatch.setattr(ns_module, "policy_restarts", lambda given, own, steps, prec: given or own)
   jax.clear_caches()
   assert top() > 1.25
+
+
+def test_a_float32_gram_iteration_longer_than_its_preset_keeps_its_band():
+  """More steps than a preset's own, with exact float32 Gram products (the CPU's default, a TPU's
+  ``method="gram"``): without a restart the factor's rounding grows unchecked (polar_express_4 at 10
+  steps: largest singular value 70; "muon" at 10: 3e19; 16 steps: not finite). Restarted every 5
+  steps they hold the band, also with a traced step count (``inject_hyperparams``)."""
+  x = jnp.asarray(make_input("cond_1e6", (64, 256)))
+  for coeffs, steps, top in (("polar_express_4", 10, 1.01), ("muon", 12, 1.21), ("polar_express", 16, 1.01)):
+    fn = jax.jit(lambda x, s: mc.newton_schulz(x, steps=s, coeffs=coeffs, method="gram"))
+    with emulate("cpu"):
+      static = mc.newton_schulz(x, steps=steps, coeffs=coeffs, method="gram")
+      traced = fn(x, steps)
+    for out in (static, traced):
+      got = band(out, x)
+      assert got.top <= top and got.low >= 0.67, (coeffs, steps, got)
+  with emulate("tpu"):  # a TPU's Gram iteration, asked for by name: exact products too
+    got = band(jax.jit(lambda x: mc.newton_schulz(x, steps=10, method="gram"))(x), x)
+  assert got.top <= 1.21 and got.low >= 0.67, got
 
 
 def test_every_preset_keeps_its_band_with_float16_gram_products():

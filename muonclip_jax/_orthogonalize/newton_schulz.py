@@ -105,9 +105,10 @@ def newton_schulz(
       for the preset's choice (``"schatten4"`` for ``"polar_express_4"``, else Frobenius).
     restarts: ``"gram"`` only: step indices (in ``[1, steps - 1]``) before which the Gram
       matrix is re-formed from the current iterate. Empty: the preset's own (``"deepseek_v4"``
-      restarts before step 5; the others need none, except under the ``"float16"`` policy,
-      which restarts every 2 steps as well). Not needed in float32 (tested up to condition number 1e6)
-      nor in bfloat16 (see ``compute_dtype``).
+      restarts before step 5) and one every 5 steps, before steps 5, 10, ... (every 2 under
+      the ``"float16"`` policy): none at the presets' own step counts, where float32 holds the
+      band (tested up to condition number 1e6), as bfloat16 compute does (see ``compute_dtype``);
+      more steps without them leave it (``_orthogonalize/precision.py``).
     precision: the precision policy of the products (``_orthogonalize.precision``): None (the
       default) for the backend's, read from ``jax.default_backend()`` when traced: on the CPU
       ``"highest"`` (every product exact float32, ``"auto"`` as above); on GPUs

@@ -16,17 +16,23 @@ user sets it. The two iterations react differently to narrow operands:
   grown: the Dao AI Lab's Gram Newton–Schulz restarts its float16 ``m x m`` iteration on GPUs.
   (Four steps, ``polar_express_4``: one restart. DeepSeek-V4's ten, whose eight Keller steps
   grow small singular values ~2e4-fold, leave the band with restarts before steps 2 and 5
-  only: largest singular value 2.2 on a condition-1e6 input.)
+  only: largest singular value 2.2 on a condition-1e6 input.) Exact float32 products hold
+  the band for the presets' own step counts (4 or 5; DeepSeek-V4 restarts before step 5), but
+  not for more: without a restart, ``polar_express_4`` at 10 steps reached a largest singular
+  value of 70 and 16 steps were not finite. So a float32 Gram iteration restarts every 5
+  steps, before steps 5, 10, ... (none at the presets' own counts).
 
 So the policy names a precision for every product (none depends on the global flag):
 
 =========  =======================================  ===================  =====================
 policy     ``method="auto"``                         standard's products  Gram's products
 =========  =======================================  ===================  =====================
-highest    Gram where it saves FLOPs (aspect >= 2)   ``HIGHEST``          ``HIGHEST``
+highest    Gram where it saves FLOPs (aspect >= 2)   ``HIGHEST``          ``HIGHEST``,
+                                                                          restarts every 5 steps
 float16    Gram where it saves FLOPs (aspect >= 2)   float16 operands     float16 operands,
                                                                           restarts every 2 steps
-default    standard                                  ``DEFAULT``          ``HIGHEST``
+default    standard                                  ``DEFAULT``          ``HIGHEST``,
+                                                                          restarts every 5 steps
 =========  =======================================  ===================  =====================
 
 float16 operands: every operand is rounded to float16 and the products accumulate in float32
@@ -119,18 +125,22 @@ def first_step_parts(prec: Any, dtype: Any) -> Any:
   return None
 
 
-TRACED_STEPS = 64  # float16 restarts of a traced step count (inject_hyperparams): every 2 steps below this
+TRACED_STEPS = 64  # the restarts of a traced step count (inject_hyperparams) are those below this
+# Steps between a Gram iteration's restarts (module docstring): 2 for float16 products; 5 for float32
+# ones, as DeepSeek-V4's preset restarts, since Q_k's rounding, unchecked, leaves the band past
+# about 5 steps (polar_express_4 at 10 steps: largest singular value 70; 16 steps: not finite).
+RESTART_EVERY, RESTART_EVERY_FLOAT16 = 5, 2
 
 
 def restarts(given: tuple[int, ...], own: tuple[int, ...], steps: Any, prec: Any) -> tuple[int, ...]:
-  """A Gram iteration's restarts: ``given`` (the caller's), else the preset's ``own`` and, for
-  float16 products (module docstring), one every 2 steps: before steps 2, 4, ... below ``steps``."""
+  """A Gram iteration's restarts: ``given`` (the caller's), else the preset's ``own`` and one
+  every ``RESTART_EVERY`` steps (``RESTART_EVERY_FLOAT16`` for float16 products) below ``steps``:
+  before steps 5, 10, ... (2, 4, ...). The presets' own step counts need none in float32."""
   if given:
     return given
-  if prec != FLOAT16:
-    return own
+  every = RESTART_EVERY_FLOAT16 if prec == FLOAT16 else RESTART_EVERY
   top = steps if isinstance(steps, int) else TRACED_STEPS
-  return tuple(sorted({*range(2, top, 2), *own}))
+  return tuple(sorted({*range(every, top, every), *own}))
 
 
 def iterate_scale(x: Any, prec: Any) -> float:
