@@ -232,6 +232,9 @@ def test_flop_counts():
         (dict(method="gram", restarts=(0,)), r"restarts must be step indices in \[1, steps - 1\] = \[1, 4\]"),
         (dict(method="gram", restarts=(5,)), r"restarts must be step indices"),
         (dict(restarts="x"), "restarts must be a sequence of step indices"),
+        (dict(method="gram", restarts=(1.5,)), r"step indices \(ints\), got \(1.5,\)"),  # not run as (1,)
+        (dict(method="gram", restarts="12"), r"step indices \(ints\), got '12'"),  # not (1, 2)
+        (dict(method="gram", restarts=(True,)), r"step indices \(ints\), got \(True,\)"),
     ],
 )
 def test_bad_options(kwargs, match):

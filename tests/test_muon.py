@@ -640,9 +640,10 @@ def test_a_state_cast_as_a_whole_and_bad_dtypes_are_refused():
   half = mc.scale_by_muon(mu_dtype=jnp.float16)  # the way to a float16 momentum: finite past 65504
   u, _ = half.update({"w": jnp.full((4, 8), 7e4)}, half.init(params))
   assert np.isfinite(np.asarray(u["w"])).all()
-  for dtype in (jnp.int32, jnp.bool_):
-    with pytest.raises(TypeError, match="mu_dtype must be a floating dtype"):
-      mc.muon_adamw(1e-2, mu_dtype=dtype)
+  for dtype in (jnp.int32, jnp.bool_, "foo", 3, jnp.float8_e4m3fn):  # refused when built, by name
+    for name in ("mu_dtype", "compute_dtype"):
+      with pytest.raises(TypeError, match=f"{name} must be a floating dtype of 16 bits or more"):
+        mc.muon_adamw(1e-2, **{name: dtype})
   with pytest.raises(TypeError, match=r"the parameter at w is complex \(complex64\)"):
     opt.init({"w": jnp.ones((4, 8), jnp.complex64)})
   with pytest.raises(ValueError, match=r"muon_blocks must be one of .*got 'group:²'"):

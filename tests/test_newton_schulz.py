@@ -124,6 +124,11 @@ def test_bad_arguments(kwargs, match):
     newton_schulz(jnp.ones((4, 4)), **kwargs)
 
 
+def test_an_integer_input_without_compute_dtype_is_named_as_the_input():
+  with pytest.raises(ValueError, match="needs a floating x or a floating compute_dtype, got x of int32"):
+    newton_schulz(jnp.ones((4, 4), jnp.int32))
+
+
 def test_rank_one_input_raises():
   with pytest.raises(ValueError, match=r"rank >= 2, got shape \(4,\)"):
     newton_schulz(jnp.ones(4))

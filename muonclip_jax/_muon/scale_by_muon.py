@@ -39,7 +39,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from .._util import check_bool, check_number, is_box, MatrixAxesSpec, MetadataMemo, path_str, skip_frozen_leaves
+from .._util import check_bool, check_float_dtype, check_number, is_box, MatrixAxesSpec, MetadataMemo, path_str, skip_frozen_leaves
 from .._orthogonalize import (check_target, orthogonalize_leaves, orthogonalize_leaves_sharded, policy,
                               resolve_coeffs, resolve_options)
 from .block_orthogonalize import orthogonalize_blocks
@@ -331,9 +331,8 @@ def scale_by_muon(
   check_number("beta", beta, low=0.0, high=1.0, high_open=True)
   check_number("rms_scale", rms_scale, low=0.0, high=math.inf, high_open=True)
   check_number("eps", eps, low=0.0, high=math.inf, low_open=True, high_open=True)  # 0: a zero gradient is 0 / 0
-  if mu_dtype is not None and not jnp.issubdtype(mu_dtype, jnp.floating):
-    raise TypeError(f"mu_dtype must be a floating dtype (float32, bfloat16, float16) or None for the "
-                    f"gradient's, got {mu_dtype!r}")
+  check_float_dtype("mu_dtype", mu_dtype)
+  check_float_dtype("compute_dtype", compute_dtype)
   if rms_match not in RMS_MODES:
     raise ValueError(f"rms_match must be one of {RMS_MODES}, got {rms_match!r}")
   if ns_precision is not None:

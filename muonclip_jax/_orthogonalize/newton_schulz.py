@@ -160,7 +160,8 @@ def newton_schulz(
     raise ValueError(f"newton_schulz needs an array of rank >= 2, got shape {x.shape}")
   dtype = jnp.dtype(compute_dtype) if compute_dtype is not None else x.dtype
   if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"compute_dtype must be a floating dtype, got {dtype}")
+    raise ValueError(f"compute_dtype must be a floating dtype, got {dtype}" if compute_dtype is not None else
+                     f"newton_schulz needs a floating x or a floating compute_dtype, got x of {dtype}")
   if x.size == 0:  # a (0, n) or (m, 0) matrix, or an empty batch: nothing to orthogonalize
     return jnp.zeros(x.shape, x.dtype)
   tall = x.shape[-2] > x.shape[-1]  # then A = X^T X and X <- a X + X B^T, no transposes

@@ -9,6 +9,7 @@ arguments here.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import jax
@@ -140,9 +141,13 @@ def resolve_options(coeffs: Any, steps: Any, method: str, normalize: str | None,
   elif normalize not in NORMALIZATIONS:
     raise ValueError(f"normalize must be one of {NORMALIZATIONS} or None, got {normalize!r}")
   try:
-    restarts = tuple(sorted({int(r) for r in restarts})) if restarts is not None else ()
-  except (TypeError, ValueError) as e:
+    given = () if restarts is None else tuple(restarts)
+  except TypeError as e:
     raise ValueError(f"restarts must be a sequence of step indices, got {restarts!r}") from e
+  if isinstance(restarts, (str, bytes)) or not all(
+      isinstance(r, numbers.Integral) and not isinstance(r, bool) for r in given):  # 1.5 is no step
+    raise ValueError(f"restarts must be a sequence of step indices (ints), got {restarts!r}")
+  restarts = tuple(sorted({int(r) for r in given}))
   steps = resolve_steps(steps, coeffs)
   top = steps - 1 if isinstance(steps, int) else None
   if any(r < 1 or (top is not None and r > top) for r in restarts):

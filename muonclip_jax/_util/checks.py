@@ -48,6 +48,18 @@ def check_positive_int(name: str, value: object, *, allow_zero: bool = False) ->
     raise ValueError(f"{name} must be an int {bound}, got {value!r}")
 
 
+def check_float_dtype(name: str, value: Any) -> None:
+  """A dtype option with None for the gradient's: a floating dtype of 16 bits or more (an 8-bit float
+  does not promote with float32); anything else (an int dtype, "foo", 3) is a TypeError naming it."""
+  try:
+    ok = value is None or (jnp.issubdtype(value, jnp.floating) and jnp.finfo(value).bits >= 16)
+  except TypeError:  # not a dtype at all
+    ok = False
+  if not ok:
+    raise TypeError(f"{name} must be a floating dtype of 16 bits or more (float32, bfloat16, float16) or None "
+                    f"for the gradient's, got {value!r}")
+
+
 def check_bool(name: str, value: Any, *, allow_none: bool = False) -> None:
   """A boolean option: a Python ``bool`` or a NumPy ``bool_`` (``None`` too with ``allow_none``).
 
