@@ -41,8 +41,11 @@ None, ``Precision.DEFAULT``, preset ``DEFAULT``  exact      TF32       bf16
 * A pair of per-operand precisions ``(p, q)`` uses the higher one (XLA:GPU's rule).
 * Any other ``DotAlgorithmPreset`` (``BF16_BF16_F32_X6``, ``ANY_F8_...``, ``F16_F16_F16``,
   ...) or a custom ``lax.DotAlgorithm`` raises ``NotImplementedError`` naming it.
-* Operands that are not both float32 (bf16, f16, f64, integers, mixed) go to JAX's own
-  ``dot_general`` unchanged: on the real CPU that is what JAX computes for them.
+* A float32 operand beside a bfloat16 or float16 one: JAX converts the narrower one to float32
+  and runs a float32 dot (its StableHLO), so both go through the float32 rule above (a float16
+  operand's 11 bits rounded to bfloat16's 8 on "tpu", as there).
+* Other operands (both bf16, both f16, f64, integers) go to JAX's own ``dot_general``
+  unchanged: on the real CPU that is what JAX computes for them.
 
 How it intercepts (read in the sources of JAX 0.10.2 and JAX 0.12.0.1, the versions of
 ``.venv`` and ``.venv-python3.12``):
@@ -222,6 +225,9 @@ def _emulated_dot_general(lhs, rhs, dimension_numbers, precision=None,
   """``jax.lax.dot_general`` with the current emulated backend's operand rounding."""
   backend = _BACKEND.value
   f32 = np.dtype(np.float32)
+  dtypes = {_dtype(lhs), _dtype(rhs)}
+  if backend is not None and f32 in dtypes and dtypes <= {f32, np.dtype(jnp.bfloat16), np.dtype(np.float16)}:
+    lhs, rhs = lax.convert_element_type(lhs, f32), lax.convert_element_type(rhs, f32)  # as JAX lowers it
   if backend is None or _dtype(lhs) != f32 or _dtype(rhs) != f32:
     return _ORIGINAL_DOT_GENERAL(lhs, rhs, dimension_numbers, precision,
                                  preferred_element_type, **kwargs)

@@ -142,6 +142,20 @@ def test_non_float32_operands_pass_unchanged(dtype):
         assert_same_math(np.asarray(got), want)
 
 
+def test_a_float32_operand_beside_a_16_bit_one_is_rounded_as_a_float32_dot():
+  """JAX multiplies bfloat16 x float32 as float32 x float32 (the narrower converted), so on "tpu" the
+  float32 operand goes through one bfloat16 pass, and a float16 operand is rounded to bfloat16 too."""
+  a, b = _operands()
+  for narrow in (jnp.bfloat16, jnp.float16):
+    a16 = a.astype(narrow)
+    want = _reference(a16.astype(jnp.float32), b, "bf16").astype(np.float32)
+    with eb.emulate("tpu"):
+      got = np.asarray(jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))(a16, b))
+    assert_same_math(got, want)
+    exact = np.asarray(a16, np.float64) @ np.asarray(b, np.float64)
+    assert np.abs(got - exact).max() > 8 * same_math_atol(exact, np.float32), narrow
+
+
 def test_rounding_matches_numpy_bit_for_bit():
   rng = np.random.default_rng(4)
   x = (rng.standard_normal(4096) * np.exp2(rng.integers(-30, 30, 4096))).astype(np.float32)
