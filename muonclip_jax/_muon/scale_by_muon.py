@@ -39,7 +39,8 @@ import numpy as np
 import optax
 from jax import lax
 
-from .._util import check_bool, check_float_dtype, check_number, is_box, MatrixAxesSpec, MetadataMemo, path_str, skip_frozen_leaves
+from .._util import (check_bool, check_float_dtype, check_number, is_box, MatrixAxesSpec, MetadataMemo, path_str,
+                     skip_frozen_leaves)
 from .._orthogonalize import (check_target, orthogonalize_leaves, orthogonalize_leaves_sharded, policy,
                               resolve_coeffs, resolve_options)
 from .block_orthogonalize import orthogonalize_blocks
