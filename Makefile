@@ -47,8 +47,11 @@ venv: $(VENV)/.installed
 # dependencies installed --no-compile, every test process compiles every module it imports from
 # source (jax, flax, transformers, MaxText and Tunix: 25-29 s against 9-11 s from bytecode, in
 # each worker and subprocess); emptied, the first import writes the bytecode into the venv.
+# --max-worker-restart=0: a worker that crashes ends the run, which names the test it ran
+# (pytest-xdist 3.8 reruns that test in a new worker and, under --dist loadfile, can then wait
+# forever: a crashed CI run hung until its time ran out).
 test: $(VENV)/.installed
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -n 2 --dist loadfile -q --durations=20 tests
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -n 2 --dist loadfile --max-worker-restart=0 -q --durations=20 tests
 
 demo: $(VENV)/.installed
 	$(BIN)/python examples/train_mla_lm.py --out runs/demo

@@ -235,6 +235,7 @@ def test_flop_counts():
         (dict(method="gram", restarts=(1.5,)), r"step indices \(ints\), got \(1.5,\)"),  # not run as (1,)
         (dict(method="gram", restarts="12"), r"step indices \(ints\), got '12'"),  # not (1, 2)
         (dict(method="gram", restarts=(True,)), r"step indices \(ints\), got \(True,\)"),
+        (dict(method="standard", restarts=(2,)), r"method 'standard' runs none, got \(2,\)"),  # not ignored
     ],
 )
 def test_bad_options(kwargs, match):
@@ -338,5 +339,7 @@ def test_bad_scale_by_muon_options():
     mc.muon(0.1, ns_method="fast")
   with pytest.raises(ValueError, match="ns_restarts must be step indices"):
     mc.muon_adamw(0.1, ns_method="gram", ns_restarts=(7,))
+  with pytest.raises(ValueError, match="ns_restarts are the Gram iteration's"):
+    mc.muon(0.1, ns_method="standard", ns_restarts=(2,))
   with pytest.raises(ValueError, match="ns_batch is static"):
     mc.scale_by_muon(ns_batch=jnp.asarray(2))

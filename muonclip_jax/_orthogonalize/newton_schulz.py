@@ -103,8 +103,9 @@ def newton_schulz(
       ``||x||_F`` and never smaller than the top singular value, so every singular value
       starts at least as close to 1: Grishina et al. 2025, arXiv 2506.10935), or ``None``
       for the preset's choice (``"schatten4"`` for ``"polar_express_4"``, else Frobenius).
-    restarts: ``"gram"`` only: step indices (in ``[1, steps - 1]``) before which the Gram
-      matrix is re-formed from the current iterate. Empty: the preset's own (``"deepseek_v4"``
+    restarts: Gram iteration only (``"gram"``, or ``"auto"`` where it picks it; refused with
+      ``"standard"``): step indices (in ``[1, steps - 1]``) before which the Gram matrix is
+      re-formed from the current iterate. Empty: the preset's own (``"deepseek_v4"``
       restarts before step 5) and one every 5 steps, before steps 5, 10, ... (every 2 under
       the ``"float16"`` policy): none at the presets' own step counts, where float32 holds the
       band (tested up to condition number 1e6), as bfloat16 compute does (see ``compute_dtype``);

@@ -148,6 +148,9 @@ def resolve_options(coeffs: Any, steps: Any, method: str, normalize: str | None,
       isinstance(r, numbers.Integral) and not isinstance(r, bool) for r in given):  # 1.5 is no step
     raise ValueError(f"restarts must be a sequence of step indices (ints), got {restarts!r}")
   restarts = tuple(sorted({int(r) for r in given}))
+  if restarts and method == "standard":  # nothing to restart: not ignored in silence
+    raise ValueError(f"restarts are the Gram iteration's (method 'gram' or 'auto'); method 'standard' "
+                     f"runs none, got {restarts}")
   steps = resolve_steps(steps, coeffs)
   top = steps - 1 if isinstance(steps, int) else None
   if any(r < 1 or (top is not None and r > top) for r in restarts):
