@@ -16,7 +16,8 @@ and 0.1 s to run), so the tests ask XLA:CPU for quick code rather than fast code
 No persistent compilation cache: one per run, shared by the pytest-xdist workers, saved no
 time (both suites with and without it on one machine: ``benchmarks/RESULTS.md``), and the
 two crashes seen in the suite, segmentation faults of a JAX 0.12 worker, came on its path
-(once in its write, once in the compile before it). Neither reproduced; not shown its cause.
+(once in its write, once in the compile before it). Neither reproduced, so it is not shown
+to be their cause.
 
 Child processes get the same flags (``_child_env.py``). Timings are never measured here
 (``benchmarks/`` does).
