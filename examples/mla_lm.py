@@ -255,9 +255,18 @@ class MLALM(nn.Module):
 
 
 def init_params(cfg: LMConfig, seed: int, seq_len: int = 16) -> Any:
-  """Float32 params, unboxed (the logical axis names stay available via ``logical_axes``)."""
-  variables = MLALM(cfg).init(jax.random.key(seed), jnp.zeros((1, seq_len), jnp.int32))
-  return nn.unbox(variables["params"])
+  """Float32 params, unboxed (the logical axis names stay available via ``logical_axes``).
+
+  The init is compiled once per ``(cfg, seq_len)`` and called with each seed's key: run
+  eagerly, every call compiled the scanned layers' init anew. It draws the same random
+  values as the eager init.
+  """
+  return nn.unbox(_jitted_init(cfg, seq_len)(jax.random.key(seed))["params"])
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_init(cfg: LMConfig, seq_len: int):
+  return jax.jit(lambda key: MLALM(cfg).init(key, jnp.zeros((1, seq_len), jnp.int32)))
 
 
 def _boxed_shapes(cfg: LMConfig, seq_len: int = 16) -> Any:

@@ -6,6 +6,7 @@ For the promises that must hold on models deeper than one attention layer (the e
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -68,7 +69,13 @@ class DeepLM(nn.Module):
 
 
 def init_params(cfg: DeepConfig, seed: int = 0):
-  return DeepLM(cfg).init(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))["params"]
+  """The params, from an init compiled once per config (eagerly, each call compiled it anew)."""
+  return _jitted_init(cfg)(jax.random.key(seed))["params"]
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_init(cfg: DeepConfig):
+  return jax.jit(lambda key: DeepLM(cfg).init(key, jnp.zeros((1, 8), jnp.int32)))
 
 
 def make_loss_fn(cfg: DeepConfig):

@@ -64,7 +64,7 @@ CLIP = _muonclip()
 
 
 def test_plain_muon_passes_tau_and_exact_muonclip_holds_it():
-  _, _, muon_hist = _run(mc.muon_adamw(LR, matrix_axes=matrix_axes))
+  _, _, muon_hist = _run(MUON)
   assert max(float(m["max_logit"]) for _, m, _ in muon_hist) > TAU * 1.1
   _, _, clip_hist = _run(_muonclip(), exact_clip=True, layout=CFG.layout)
   clipped_steps = 0
