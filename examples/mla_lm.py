@@ -264,7 +264,7 @@ def init_params(cfg: LMConfig, seed: int, seq_len: int = 16) -> Any:
   return nn.unbox(_jitted_init(cfg, seq_len)(jax.random.key(seed))["params"])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted_init(cfg: LMConfig, seq_len: int):
   return jax.jit(lambda key: MLALM(cfg).init(key, jnp.zeros((1, seq_len), jnp.int32)))
 

@@ -73,7 +73,7 @@ def init_params(cfg: DeepConfig, seed: int = 0):
   return _jitted_init(cfg)(jax.random.key(seed))["params"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted_init(cfg: DeepConfig):
   return jax.jit(lambda key: DeepLM(cfg).init(key, jnp.zeros((1, 8), jnp.int32)))
 
