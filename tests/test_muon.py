@@ -190,28 +190,28 @@ def test_composes_with_chain_masked_clip_multisteps_and_apply_if_finite():
   chex.assert_trees_all_close(p["w2"], _run(optax.identity(), {"w2": params["w2"]})[0]["w2"])
   # MultiSteps(k=2) over 4 micro-steps equals 2 plain steps on the mean gradients.
   ms = optax.MultiSteps(mc.muon(LR), every_k_schedule=2)
-  state = ms.init(params)
-  plain, pstate = mc.muon(LR), None
-  pstate = plain.init(params)
+  state, ms_update = ms.init(params), jax.jit(ms.update)  # eagerly, each call compiled its cond anew
+  plain = mc.muon(LR)
+  pstate, plain_update = plain.init(params), jax.jit(plain.update)
   p_ms, p_plain = params, params
   for t in range(2):
     g1 = jax.tree.map(lambda x: jnp.sin(x * (t + 1)), params)
     g2 = jax.tree.map(lambda x: jnp.cos(x * (t + 2)), params)
     for g in (g1, g2):
-      u, state = ms.update(g, state, p_ms)
+      u, state = ms_update(g, state, p_ms)
       p_ms = optax.apply_updates(p_ms, u)
     mean = jax.tree.map(lambda a, b: (a + b) / 2, g1, g2)
-    u, pstate = plain.update(mean, pstate, p_plain)
+    u, pstate = plain_update(mean, pstate, p_plain)
     p_plain = optax.apply_updates(p_plain, u)
   chex.assert_trees_all_close(p_ms, p_plain, atol=1e-5)
   # apply_if_finite: a NaN step is skipped and the momentum is kept.
   safe = optax.apply_if_finite(mc.muon(LR), max_consecutive_errors=3)
-  state = safe.init(params)
+  state, safe_update = safe.init(params), jax.jit(safe.update)
   g = jax.tree.map(jnp.sin, params)
-  _, state = safe.update(g, state, params)
+  _, state = safe_update(g, state, params)
   mu_before = state.inner_state[0].mu
   bad = {"w1": g["w1"].at[0, 0].set(jnp.nan), "w2": g["w2"]}
-  u, state = safe.update(bad, state, params)
+  u, state = safe_update(bad, state, params)
   chex.assert_trees_all_equal(u, jax.tree.map(jnp.zeros_like, params))
   chex.assert_trees_all_equal(state.inner_state[0].mu, mu_before)
   assert int(state.notfinite_count) == 1

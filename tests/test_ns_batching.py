@@ -86,10 +86,16 @@ def _tree(key=0):
 AXES = {"scan": mc.MatrixAxes((-2,), (-1,))}
 
 
-def _update(grads, **kw):
+@functools.cache
+def _optimizer(**kw):
+  """The optimizer and its jitted update, built once per options (so compiled once per input)."""
   opt = mc.scale_by_muon(matrix_axes=lambda p: {k: AXES.get(k) for k in p}, **kw)
+  return opt, jax.jit(opt.update)
+
+
+def _update(grads, **kw):
+  opt, step = _optimizer(**kw)
   state = opt.init(grads)
-  step = jax.jit(opt.update)
   _, state = step(grads, state)  # a second step, so the momentum enters
   return step(jax.tree.map(jnp.cos, grads), state)[0]
 

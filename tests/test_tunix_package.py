@@ -152,19 +152,20 @@ def test_qwen3_moe_each_expert_is_its_own_muon_matrix():
   inputs = model_inputs(x)
   trainer = _trainer(model, float("inf"), lr=lr, matrix_axes=expert_matrix_axes)
   loss = lambda m: trainer.loss_fn.__wrapped__(m, **inputs)  # noqa: E731  (Tunix's own loss, before the capture)
-  grads = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.grad(loss)(model)))
+  grads = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.jit(nnx.grad(loss))(model)))  # eager: hundreds of compiles
   before = params_of(model)
   step, _ = trainer.jit_train_and_eval_step()
   step(x)
   after = params_of(model)
   ref = mc.muon_adamw(lr, weight_decay=0.0)
+  ref_update = jax.jit(ref.update)  # one compile per shape (eagerly, each call compiled its loop anew)
   for layer in (0, 1):
     for name in ("gate_proj", "up_proj", "down_proj"):
       w0, w1, g = (t["layers"][layer]["mlp"][name] for t in (before, after, grads))
       assert w0.shape[0] == 4
       for e in range(4):
         leaf = {"w": jnp.asarray(g[e])}
-        u, _ = ref.update(leaf, ref.init(leaf), {"w": jnp.asarray(w0[e])})
+        u, _ = ref_update(leaf, ref.init(leaf), {"w": jnp.asarray(w0[e])})
         np.testing.assert_allclose(w1[e] - w0[e], np.asarray(u["w"]), rtol=2e-3, atol=2e-3 * np.abs(u["w"]).max(),
                                    err_msg=f"layer {layer} {name} expert {e}")
   trainer.train([batch(4)])  # Tunix's own loop runs a further step
