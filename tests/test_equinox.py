@@ -90,7 +90,9 @@ def test_whole_matrix_muon_does_not_depend_on_the_orientation_except_keller():
     default, declared = mc.scale_by_muon(rms_match=rms_match), mc.scale_by_muon(rms_match=rms_match, matrix_axes=torch)
     a = default.update({"weight": w}, default.init({"weight": w}))[0]["weight"]
     b = declared.update({"weight": w}, declared.init({"weight": w}))[0]["weight"]
-    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    # the same iteration on the transpose: equal to rounding, which Newton–Schulz amplifies
+    # (an element 2.8e-6 apart, at 0.04, in one CI run), against the matrix's largest entry
+    assert_same_math(a, b)
   with pytest.raises(ValueError, match=r"weight: a 12x8 leaf named 'weight'.*keller.*MatrixAxes\(fan_in=\(1,\)"):
     mc.scale_by_muon(rms_match="keller").init({"weight": w})
   mc.scale_by_muon(rms_match="keller", matrix_axes=torch).init({"weight": w})  # declared: fine
