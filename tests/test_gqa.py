@@ -27,8 +27,14 @@ def _x(b=2, t=T, seed=0, scale=1.0):
   return jnp.asarray(scale * np.random.default_rng(seed).standard_normal((b, t, DIM)), jnp.float32)
 
 
+@functools.cache
+def _jitted_init(module):
+  """One jitted ``init`` per module configuration (equal modules hash equal): compiled once a shape."""
+  return jax.jit(module.init)
+
+
 def _init(module, x=None, seed=0):
-  variables = jax.jit(module.init)(jax.random.key(seed), _x() if x is None else x)
+  variables = _jitted_init(module)(jax.random.key(seed), _x() if x is None else x)
   # Non-zero biases, so that the reference and QK-Clip see them.
   def shift_bias(p):
     if isinstance(p, nn.Partitioned) and p.unbox().ndim == 1:
