@@ -5,6 +5,7 @@
   python benchmarks/emulated_band.py --flops    # the GPU policy's matmul FLOPs against optax's
   python benchmarks/emulated_band.py --large    # the GPU policy's band on 2048x8192
   python benchmarks/emulated_band.py --more     # 15 other inputs on 11 other shapes (~10 min)
+  python benchmarks/emulated_band.py --small    # spectra ending just above the cutoff, sides 4 to 32
 
 For each emulated backend (``tests/_emulated_backend.py``: float32 dots that name no
 precision get bf16 operands on "tpu", TF32 on "gpu", exact float32 on "cpu"), each
@@ -28,6 +29,12 @@ an outlier row or column, sparse, mean-dominated with float32 and with bfloat16 
 of 1e20) and other shapes (``MORE_SHAPES``: 2 to 4096 rows, aspect up to 4096, stacks), each
 matrix of a stack drawn anew,
 and prints the worst case per backend, method and dtype and every case outside the band.
+
+``--small`` runs it on small matrices (``SMALL_SHAPES``: sides 4 to 32), 40 draws each of
+spectra that end just above the cutoff (``small_kinds``: geometric from 1 to 3.2e-3, 3.5e-3
+and 4e-3 of the largest, and condition 1e6), of float32 values and of bfloat16 values: where
+bfloat16 compute's rounding of the normalized input (about 2^-9 of its entries) is of the
+size of the smallest singular value measured.
 
 ``--flops`` prints instead the GPU policy's matmul FLOPs, traced (no arrays) on the
 shapes (4096x16384, 4096x4096, a 64x2048x7168 expert stack) as if on a GPU, against
@@ -148,14 +155,31 @@ def more_kinds(m: int, n: int, rng: np.random.Generator) -> dict[str, np.ndarray
   }
 
 
-def more() -> None:
-  """The ``--more`` sweep (module docstring)."""
-  print(f"JAX {jax.__version__}, emulated backends; other inputs and shapes\n")
+SMALL_SHAPES = ((4, 4), (8, 8), (16, 16), (8, 32), (32, 8), (32, 32))
+
+
+def small_kinds(m: int, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+  """``--small``'s inputs of one ``m x n`` shape (module docstring): 40 draws of each kind."""
+  k, out = min(m, n), {}
+  for draw in range(40):
+    u, _ = np.linalg.qr(rng.standard_normal((m, k)))
+    v, _ = np.linalg.qr(rng.standard_normal((n, k)))
+    for low in (3.2e-3, 3.5e-3, 4e-3, 1e-6):
+      g = (u * np.geomspace(1.0, low, k)) @ v.T
+      name = f"condition 1e6 #{draw}" if low == 1e-6 else f"geometric to {low:g} #{draw}"
+      out[name] = g
+      out[name.replace(" #", ", bf16 values #")] = g.astype(jnp.bfloat16).astype(np.float32)
+  return out
+
+
+def more(shapes=MORE_SHAPES, kinds=more_kinds, what="other inputs and shapes") -> None:
+  """The ``--more`` sweep (module docstring); ``--small``'s with its shapes and kinds."""
+  print(f"JAX {jax.__version__}, emulated backends; {what}\n")
   worst, bad, start = {}, [], time.perf_counter()
-  for shape in MORE_SHAPES:
+  for shape in shapes:
     rng = np.random.default_rng([7, *shape])
     *batch, m, n = shape
-    mats = [more_kinds(m, n, rng) for _ in range(int(np.prod(batch)) if batch else 1)]
+    mats = [kinds(m, n, rng) for _ in range(int(np.prod(batch)) if batch else 1)]
     grads = {kind: jnp.asarray(np.stack([x[kind] for x in mats]).reshape(shape).astype(np.float32))
              for kind in mats[0]}
     svds = {kind: eb.input_svd(g) for kind, g in grads.items()}
@@ -192,9 +216,12 @@ def main() -> None:
   parser.add_argument("--flops", action="store_true", help="the GPU policy's weighted matmul FLOPs instead")
   parser.add_argument("--large", action="store_true", help="the GPU policy's band on 2048x8192 instead")
   parser.add_argument("--more", action="store_true", help="other inputs and shapes instead (~10 min)")
+  parser.add_argument("--small", action="store_true", help="small matrices, spectra ending just above the cutoff")
   args = parser.parse_args()
   if args.more:
     return more()
+  if args.small:
+    return more(SMALL_SHAPES, small_kinds, "small matrices, spectra ending just above the cutoff")
   if args.flops:
     return flops()
   if args.large:
