@@ -33,8 +33,9 @@ and prints the worst case per backend, method and dtype and every case outside t
 ``--small`` runs it on small matrices (``SMALL_SHAPES``: sides 4 to 32), 40 draws each of
 spectra that end just above the cutoff (``small_kinds``: geometric from 1 to 3.2e-3, 3.5e-3
 and 4e-3 of the largest, and condition 1e6), of float32 values and of bfloat16 values: where
-bfloat16 compute's rounding of the normalized input (about 2^-9 of its entries) is of the
-size of the smallest singular value measured.
+bfloat16 compute's rounding of the input (about 2^-9 of its entries; none for bfloat16 values,
+which ``newton_schulz`` scales by powers of two only) is of the size of the smallest singular
+value measured.
 
 ``--flops`` prints instead the GPU policy's matmul FLOPs, traced (no arrays) on the
 shapes (4096x16384, 4096x4096, a 64x2048x7168 expert stack) as if on a GPU, against

@@ -172,6 +172,23 @@ def test_huge_inputs_give_the_output_of_the_input_scaled_down(method, normalize)
   assert float(jnp.max(jnp.abs(tiny))) < 1e-6  # against ~0.3 for the same matrix at scale 1
 
 
+def test_inputs_are_scaled_by_normal_powers_of_two():
+  """``power_of_two_scale(v)`` is a normal float32 power of two ``2^-e`` with ``v 2^-e`` in [1/2, 1)
+  for every normal ``v`` up to 2^126 (float32's whole range but its top octave), in [1, 4) above
+  (``e`` capped at 126: ``2^-127`` is subnormal), and ``2^126`` for zero and subnormals."""
+  from muonclip_jax._orthogonalize.newton_schulz import power_of_two_scale
+  rng = np.random.default_rng(0)
+  v = np.concatenate([np.float32([2.0**-126, 1.0, 0.5, 0.75, 2.0**125, np.nextafter(np.float32(2.0**126), 0)]),
+                      np.exp2(rng.uniform(-126, 126, 4000)).astype(np.float32)])
+  s = np.asarray(power_of_two_scale(jnp.asarray(v)), np.float64)
+  mant, _ = np.frexp(s)
+  assert np.all(mant == 0.5) and np.all(s >= np.finfo(np.float32).tiny)
+  assert np.all((v * s >= 0.5) & (v * s < 1.0))
+  top = np.float32([2.0**126, 1e38, np.finfo(np.float32).max])
+  assert np.all(np.asarray(power_of_two_scale(jnp.asarray(top))) == np.float32(2.0**-126))
+  assert np.all(np.asarray(power_of_two_scale(jnp.float32([0.0, 1e-40]))) == np.float32(2.0**126))
+
+
 def test_zero_size_matrices_give_an_empty_output():
   """(0, 8), (8, 0), a (3, 0, 4) stack and an empty batch: the empty result, no reduction error."""
   for shape in ((0, 8), (8, 0), (3, 0, 4), (0, 4, 4)):

@@ -60,9 +60,10 @@ def newton_schulz(
 ) -> jax.Array:
   """Approximate polar factor ``U V^T`` of the last two axes of ``x``.
 
-  ``X_0 = x / (s ||x|| + eps)`` (s = 1 for ``"muon"``, 1.02 for the Polar Express tables),
-  then for ``k = 1..steps``: ``A = X X^T``, ``X <- a_k X + (b_k A + c_k A A) X``. A tall
-  matrix (rows > cols) uses ``A = X^T X`` and ``X <- a X + X B``, the same iteration on
+  ``X_0 = x / (s ||x|| + eps)`` (s = 1 for ``"muon"``, 1.02 for the Polar Express tables;
+  computed as ``x`` scaled by powers of two, exactly, with the division folded into the first
+  step: ``first_scale``), then for ``k = 1..steps``: ``A = X X^T``, ``X <- a_k X + (b_k A +
+  c_k A A) X``. A tall matrix (rows > cols) uses ``A = X^T X`` and ``X <- a X + X B``, the same iteration on
   the transpose, so that ``A`` is the smaller Gram matrix (and nothing is copied). The
   loop is rolled (``lax.fori_loop``) or runs on ``m x m`` matrices (``"gram"``), so
   temporaries stay a few times the size of ``x``. ``ns_flops`` counts the FLOPs.
@@ -84,9 +85,10 @@ def newton_schulz(
       divided by ``s ||x|| + eps``, so a matrix whose Frobenius norm is not well above
       ``eps`` (entries of 1e-30, say) is divided by about ``eps`` instead of its norm and
       comes out near zero, not near orthogonal. Large inputs have no such limit: the norm is
-      taken of ``x / max |x|`` (``divide_by_max``), so every finite input, entries up to
-      float32's largest included, gives the output of the input scaled down
-      (orthogonalization is scale-invariant), without overflow or NaN.
+      taken of ``x`` scaled by a power of two below its largest magnitude
+      (``power_of_two_scale``), so every finite input, entries up to float32's largest
+      included, gives the output of the input scaled down (orthogonalization is
+      scale-invariant), without overflow or NaN.
     compute_dtype: dtype of the iteration (e.g. ``jnp.bfloat16`` on accelerators);
       defaults to ``x.dtype``. Norms are always taken in float32. With ``"gram"`` only the
       ``m x n`` products run in ``compute_dtype`` (accumulating in float32); the ``m x m``
@@ -170,36 +172,38 @@ def newton_schulz(
   gram = uses_gram(method, m, n, precision, GRAM_ASPECT)
   prec = products(precision, gram)
   xf = x.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True)
-  amax = jnp.where(amax > 0, amax, 1.0)
-  y = divide_by_max(xf, amax)  # |y| <= 4: no square overflows
-  norm = jnp.sqrt(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True))
-  floor = eps / amax  # 0 (flushed) for an amax above ~1e31, where norm >= 1 anyway
-  if normalize == "frobenius":
-    X = (y / (norm * norm_scale + floor)).astype(dtype)
-  else:  # divided by the Frobenius norm first (keeps bf16 in range); the S4 scale comes later
-    X = (y / (norm + floor)).astype(dtype)
+  # x 2^-e 2^-k, exact before the cast (power_of_two_scale), with ||X||_F in [1/2, 1): the norm's
+  # scale, norm_scale * ||X|| + eps 2^-e 2^-k, is folded into the first step (first_scale).
+  e = power_of_two_scale(jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True))
+  y = xf * e  # |y| < 4: no square overflows
+  k = power_of_two_scale(jnp.sqrt(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True)))
+  X = (y * k).astype(dtype)
+  first = (normalize == "schatten4", norm_scale, eps * e * k)  # first_scale's arguments after A
   if gram:
-    X = _gram_iterate(X, table, steps, normalize == "schatten4", norm_scale, eps,
+    X = _gram_iterate(X, table, steps, first,
                       policy_restarts(restarts, gram_restarts(coeffs, steps, ()), steps, prec), tall, prec)
   else:
-    X = _iterate(X, table, steps, normalize == "schatten4", norm_scale, eps, tall, prec)
+    X = _iterate(X, table, steps, first, tall, prec)
   return X.astype(x.dtype)
 
 
-def divide_by_max(xf: jax.Array, amax: jax.Array) -> jax.Array:
-  """``xf / amax`` (times a factor in (1, 4] for ``amax > 2^126``), for a float32 ``xf`` and
-  its largest magnitude ``amax > 0`` (keepdims): entries of magnitude at most 4.
+def power_of_two_scale(v: jax.Array) -> jax.Array:
+  """``2^-e`` for the power of two with ``v < 2^e <= 2 v``, for a float32 ``v >= 0``, with ``e``
+  kept within [-126, 126]: a normal float32, so multiplying a float32 by it is exact (but where
+  the product underflows).
 
-  ``newton_schulz`` normalizes this, not ``x``: the squares of entries above ~1.8e19
-  overflow float32, those of this never do. XLA compiles a division by a broadcast scalar
-  as a product with its reciprocal, and for ``amax > 2^126`` (8.5e37) ``1 / amax`` is
-  subnormal, which XLA:CPU flushes to zero (0 / 0 = NaN further on). So the divisor is
-  capped at 2^126, whose reciprocal is float32's smallest normal number: above the cap the
-  result is ``xf / amax`` times ``amax / 2^126``, a scale the norm divides out next; below
-  it, the quotient it always was.
+  ``newton_schulz`` scales its input by two of these, ``e`` from its largest magnitude (``|x 2^-e|
+  < 1``, so no square overflows: those of entries above ~1.8e19 would; ``< 4`` for a largest
+  magnitude above 2^126, where ``2^-127`` would be subnormal, flushed to zero by XLA:CPU) and ``k``
+  from the Frobenius norm of the result, instead of dividing by the norm: an input of
+  ``compute_dtype`` values (bfloat16 gradients, say) reaches the iteration unrounded. Dividing by
+  the norm rounds it a second time, which on small matrices (4 x 4, 8 x 8) can move a singular
+  value near the band's low end below it (``benchmarks/RESULTS.md``). ``e`` is read from the
+  exponent field of ``v``'s bits, which is 0 for 0 and for subnormals: ``e = -126`` for them.
   """
-  return xf / jnp.minimum(amax, 2.0**126)
+  bits = jax.lax.bitcast_convert_type(v.astype(jnp.float32), jnp.int32)
+  e = jnp.clip(((bits >> 23) & 0xFF) - 126, -126, 126)
+  return jax.lax.bitcast_convert_type((127 - e) << 23, jnp.float32)
 
 
 def ns_flops(shape: tuple[int, ...], *, steps: int | None = 5, coeffs: Any = "muon",
@@ -251,16 +255,24 @@ def _left(P: jax.Array, X: jax.Array, tall: bool, dtype: Any = None, prec: Any =
   return matmul(P, X, prec, dtype, (1.0, c))
 
 
-def schatten4_scale(A: jax.Array, norm_scale: float, eps: float) -> jax.Array:
-  """``norm_scale * ||X||_S4 + eps`` from ``A = X X^T`` (float32, keepdims); 1 for ``X = 0``.
+def first_scale(A: jax.Array, schatten4: bool, norm_scale: float, floor: jax.Array) -> jax.Array:
+  """The first step's scale ``s = norm_scale * ||X|| + floor`` from ``A = X X^T`` (float32,
+  keepdims): ``||X||_S4 = ||A||_F^(1/2)`` if ``schatten4``, else ``||X||_F = trace(A)^(1/2)``;
+  1 for ``X = 0``.
 
-  A zero ``X`` stays zero at any scale, and ``1 / eps`` (1e7) would overflow a float16
-  iterate (``inf * 0`` is NaN). A nonzero ``X`` here is Frobenius-normalized, so its
-  ``||X||_S4 >= rank^(-1/4)`` and the scale is the formula's.
+  The first step runs on ``X / s``, folded in: with ``A' = A / s^2`` it is ``(gamma / s) X +
+  (B(A') / s) X``, and a Gram iteration's ``Q`` is divided by ``s``. ``X`` is its input scaled
+  by powers of two (``power_of_two_scale``: ``||X||_F`` in [1/2, 1) and ``||X||_S4 >=
+  rank^(-1/4) ||X||_F``), so ``1 / s`` is at most ``2 rank^(1/4)``, in float16's range. A zero
+  ``X`` stays zero at any scale, and ``1 / floor`` (1e7 and more) would overflow a float16
+  operand (``inf * 0`` is NaN).
   """
   af = A.astype(jnp.float32)
-  s4 = jnp.sqrt(jnp.sqrt(jnp.sum(af * af, axis=(-2, -1), keepdims=True)))
-  return jnp.where(s4 > 0, norm_scale * s4 + eps, 1.0)
+  if schatten4:
+    norm = jnp.sqrt(jnp.sqrt(jnp.sum(af * af, axis=(-2, -1), keepdims=True)))
+  else:
+    norm = jnp.sqrt(jnp.trace(af, axis1=-2, axis2=-1))[..., None, None]
+  return jnp.where(norm > 0, norm_scale * norm + floor, 1.0)
 
 
 def square_form(table: np.ndarray) -> np.ndarray:
@@ -301,8 +313,7 @@ def step_matrix(A: jax.Array, row: Any, prec: Any = None, linear: bool = True,
   return (B + b * A if linear else B), gamma
 
 
-def _iterate(X: jax.Array, table: np.ndarray, steps: Any, schatten4: bool, norm_scale: float,
-             eps: float, tall: bool, prec: Any = None) -> jax.Array:
+def _iterate(X: jax.Array, table: np.ndarray, steps: Any, first: tuple, tall: bool, prec: Any = None) -> jax.Array:
   wdtype = jnp.promote_types(X.dtype, jnp.float32)
   table_arr, linear = square_table(table, wdtype)
   last = table.shape[0] - 1
@@ -311,13 +322,9 @@ def _iterate(X: jax.Array, table: np.ndarray, steps: Any, schatten4: bool, norm_
   def body(i, X, narrow=None):
     # X <- gamma X + B X (step_matrix: B formed from A = X X^T in float32; apply_step).
     A = gram_of(X, tall, wdtype, prec)
-    inv = 1.0
-    if schatten4:
-      # Step 0 runs on X / s with s = norm_scale * ||X||_S4, folded in: with A' = A / s^2, the
-      # step is (gamma / s) X + (B(A') / s) X. Later steps use s = 1 (exact): the loop stays rolled.
-      s = jnp.where(i == 0, schatten4_scale(A, norm_scale, eps), 1.0).astype(wdtype)
-      inv = 1.0 / s
-      A = A * (inv * inv)
+    # Step 0 runs on X / s (first_scale), folded in; later steps use s = 1 (exact): the loop stays rolled.
+    inv = 1.0 / jnp.where(i == 0, first_scale(A, *first), 1.0).astype(wdtype)
+    A = A * (inv * inv)
     B, gamma = step_matrix(A, row(i), prec, linear)
     return apply_step(B * inv, gamma * inv, X, tall, prec, narrow)
 
@@ -358,18 +365,15 @@ def apply_factor(Q: jax.Array, X0: jax.Array, tall: bool, prec: Any = None) -> j
   return _left(hi, X0, tall, Q.dtype, prec) + _left(lo, X0, tall, Q.dtype, prec)
 
 
-def _gram_iterate(X0: jax.Array, table: np.ndarray, steps: Any, schatten4: bool,
-                  norm_scale: float, eps: float, restarts: tuple[int, ...], tall: bool,
-                  prec: Any = None) -> jax.Array:
+def _gram_iterate(X0: jax.Array, table: np.ndarray, steps: Any, first: tuple, restarts: tuple[int, ...],
+                  tall: bool, prec: Any = None) -> jax.Array:
   """Gram Newton–Schulz (module docstring): ``Q_K X_0`` from ``m x m`` iterations."""
   wdtype = jnp.promote_types(X0.dtype, jnp.float32)
   G = gram_in_chunks(X0, tall, wdtype, prec)
   eye = jnp.broadcast_to(jnp.eye(G.shape[-1], dtype=wdtype), G.shape)
-  inv = None  # 1 / s of the Schatten-4 normalization, folded into Q
-  if schatten4:
-    s = schatten4_scale(G, norm_scale, eps).astype(wdtype)
-    G = G / (s * s)
-    inv = 1.0 / s
+  s = first_scale(G, *first).astype(wdtype)  # the iteration runs on X0 / s: 1 / s folded into Q
+  G = G / (s * s)
+  inv = 1.0 / s
   table_w, linear = square_table(table, wdtype)
   last = table.shape[0] - 1
 
@@ -388,7 +392,7 @@ def _gram_iterate(X0: jax.Array, table: np.ndarray, steps: Any, schatten4: bool,
     return apply_factor(Q if inv is None else Q * inv, X0, tall, prec).astype(X0.dtype)
 
   # Traced step count (inject_hyperparams): a generic loop from Q = I.
-  Q0 = eye if inv is None else eye * inv
+  Q0 = eye * inv
   restart_arr = jnp.asarray(restarts, jnp.int32)
 
   def body(i, carry):

@@ -16,12 +16,13 @@ matrix (``m <= n``), and ends with the same slab of the result. Both iterations 
   about half of their row blocks (``_sym_full``: computed, all-gathered, mirrored). About
   ``6 m^3 / g`` FLOPs a step; ``Q`` is all-gathered once for the final ``Q X_j``.
 
-The input is first divided by its largest magnitude (one all-reduce of a scalar per
-matrix, ``pmax``), as ``newton_schulz`` does, so that squares of entries up to float32's
-largest do not overflow. The Frobenius norm is then ``sqrt(trace(X X^T))`` of the first
-Gram matrix; the Schatten-4 norm follows from it as in ``newton_schulz``. Restarts and a
-traced step count are not supported: such matrices stay whole (``resolve`` returns None).
-Megatron's ``--muon-tp-mode distributed`` likewise all-reduces ``X X^T`` over
+The input is first scaled by a power of two below its largest magnitude (one all-reduce of a
+scalar per matrix, ``pmax``), as ``newton_schulz`` does, so that squares of entries up to
+float32's largest do not overflow. The Frobenius norm is then ``sqrt(trace(X X^T))`` of the
+first Gram matrix, the second power of two scales ``X`` and that matrix, and the norm (or the
+Schatten-4 norm, from the same matrix) is folded into the first step as in ``newton_schulz``.
+Restarts and a traced step count are not supported: such matrices stay whole (``resolve``
+returns None). Megatron's ``--muon-tp-mode distributed`` likewise all-reduces ``X X^T`` over
 tensor-parallel ranks.
 """
 
@@ -33,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .newton_schulz import (apply_factor, apply_step, divide_by_max, factor_parts, schatten4_scale, square_form,
+from .newton_schulz import (apply_factor, apply_step, factor_parts, first_scale, power_of_two_scale, square_form,
                             step_matrix)
 from .precision import (einsum, first_step_parts, matmul, products, restarts as policy_restarts,
                         uses_gram)
@@ -136,23 +137,20 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
   r = m // g
   p = jax.lax.axis_index(axes)
   xf = x.astype(jnp.float32)
-  amax = jax.lax.pmax(jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True), axes)
-  amax = jnp.where(amax > 0, amax, 1.0)
-  y = divide_by_max(xf, amax)  # |y| <= 4: no square overflows (see newton_schulz)
-  floor = eps / amax
-  X = y.astype(dtype)
+  # x scaled by powers of two (exact before the cast), as newton_schulz scales it: first below its
+  # largest magnitude (|x e| < 4: no square overflows), then below the Frobenius norm, read from
+  # the trace of the first Gram matrix (the Gram iteration's G: in chunks), scaled alike. The
+  # first step's scale is folded in (first_scale).
+  e = power_of_two_scale(jax.lax.pmax(jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True), axes))
+  X = (xf * e).astype(dtype)
   prec = it.get("prec")
   gram_f = lambda X, t=None, of=gram_of: jax.lax.psum(of(X, False, t, prec), axes)
-  # X X^T of x / max |x|, float32: its trace is the squared norm (the Gram iteration's G: in chunks)
   A = gram_f(X, jnp.float32, gram_in_chunks if it["gram"] else gram_of)
-  fro = jnp.sqrt(jnp.trace(A, axis1=-2, axis2=-1))[..., None, None]
-  denom = fro * (1.0 if it["schatten4"] else it["norm_scale"]) + floor
-  X = (y / denom).astype(dtype)
-  A = A / (denom * denom)
-  if it["schatten4"]:
-    s = schatten4_scale(A, it["norm_scale"], eps)
-    A = A / (s * s)
-    X = (X.astype(jnp.float32) / s).astype(dtype)
+  f = power_of_two_scale(jnp.sqrt(jnp.trace(A, axis1=-2, axis2=-1))[..., None, None])
+  X = (X.astype(jnp.float32) * f).astype(dtype)
+  A = A * (f * f)
+  inv = 1.0 / first_scale(A, it["schatten4"], it["norm_scale"], eps * e * f)
+  A = A * (inv * inv)
 
   def square(D):  # the product of newton_schulz.step_matrix, from half its row blocks
     return _sym_full(_rows(D, p, r), D, p, g, axes, prec)
@@ -163,6 +161,8 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
       if k:
         A = gram_f(X, jnp.float32)
       B, gamma = step_matrix(A, row, prec, row[2] != 0, square)
+      if k == 0:
+        B, gamma = B * inv, gamma * inv
       X = apply_step(B, gamma, X, False, prec, first_step_parts(prec, X.dtype) if k == 0 else None)
     return X.astype(x.dtype)
   R = A.astype(wdtype)
@@ -177,4 +177,4 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
     if k + 1 < K:
       R = _sym_full(matmul(R_rows, H, prec), H, p, g, axes, prec)  # R H H = H R H
   Q = jax.lax.all_gather(Q_rows, axes, axis=1, tiled=True)
-  return apply_factor(Q, X, False, prec).astype(x.dtype)
+  return apply_factor(Q * inv.astype(wdtype), X, False, prec).astype(x.dtype)
