@@ -345,6 +345,8 @@ def test_split_matrix_equals_single_device(method):
   # whose squares overflow float32 and whose reciprocal (below 2^-126) would be flushed to 0.
   huge, _ = compiled(jax.tree.map(lambda g: g * 1e38, sg), state)
   chex.assert_trees_all_close(jax.device_get(huge), ref, atol=1e-5)
+  zero, _ = compiled(jax.tree.map(jnp.zeros_like, sg), state)  # an unused layer: zero, not NaN
+  assert not any(np.any(np.asarray(z)) for z in jax.tree.leaves(jax.device_get(zero)))
   for a, b in zip(jax.tree.leaves(out) + jax.tree.leaves(new_state), jax.tree.leaves(sp) * 2):
     assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
   xs, ss = jax.tree.leaves(sg), jax.tree.leaves(ps)

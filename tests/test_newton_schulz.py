@@ -175,7 +175,8 @@ def test_huge_inputs_give_the_output_of_the_input_scaled_down(method, normalize)
 def test_inputs_are_scaled_by_normal_powers_of_two():
   """``power_of_two_scale(v)`` is a normal float32 power of two ``2^-e`` with ``v 2^-e`` in [1/2, 1)
   for every normal ``v`` up to 2^126 (float32's whole range but its top octave), in [1, 4) above
-  (``e`` capped at 126: ``2^-127`` is subnormal), and ``2^126`` for zero and subnormals."""
+  (``e`` capped at 126: ``2^-127`` is subnormal), ``2^126`` for subnormals and 1 for zero (whose
+  scale is squared in the split iteration: ``2^252`` would overflow, and ``0 * inf`` is NaN)."""
   from muonclip_jax._orthogonalize.newton_schulz import power_of_two_scale
   rng = np.random.default_rng(0)
   v = np.concatenate([np.float32([2.0**-126, 1.0, 0.5, 0.75, 2.0**125, np.nextafter(np.float32(2.0**126), 0)]),
@@ -186,7 +187,8 @@ def test_inputs_are_scaled_by_normal_powers_of_two():
   assert np.all((v * s >= 0.5) & (v * s < 1.0))
   top = np.float32([2.0**126, 1e38, np.finfo(np.float32).max])
   assert np.all(np.asarray(power_of_two_scale(jnp.asarray(top))) == np.float32(2.0**-126))
-  assert np.all(np.asarray(power_of_two_scale(jnp.float32([0.0, 1e-40]))) == np.float32(2.0**126))
+  assert np.all(np.asarray(power_of_two_scale(jnp.float32([1e-40, 1e-45]))) == np.float32(2.0**126))
+  assert np.all(np.asarray(power_of_two_scale(jnp.float32([0.0, -0.0]))) == np.float32(1.0))
 
 
 def test_zero_size_matrices_give_an_empty_output():

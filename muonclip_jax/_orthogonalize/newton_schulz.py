@@ -176,9 +176,10 @@ def newton_schulz(
   # scale, norm_scale * ||X|| + eps 2^-e 2^-k, is folded into the first step (first_scale).
   e = power_of_two_scale(jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True))
   y = xf * e  # |y| < 4: no square overflows
-  k = power_of_two_scale(jnp.sqrt(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True)))
+  norm = jnp.sqrt(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True))
+  k = power_of_two_scale(norm)
   X = (y * k).astype(dtype)
-  first = (normalize == "schatten4", norm_scale, eps * e * k)  # first_scale's arguments after A
+  first = (normalize == "schatten4", norm_scale, eps * e * k, norm * k)  # first_scale's arguments after A
   if gram:
     X = _gram_iterate(X, table, steps, first,
                       policy_restarts(restarts, gram_restarts(coeffs, steps, ()), steps, prec), tall, prec)
@@ -190,7 +191,7 @@ def newton_schulz(
 def power_of_two_scale(v: jax.Array) -> jax.Array:
   """``2^-e`` for the power of two with ``v < 2^e <= 2 v``, for a float32 ``v >= 0``, with ``e``
   kept within [-126, 126]: a normal float32, so multiplying a float32 by it is exact (but where
-  the product underflows).
+  the product underflows); 1 for ``v = 0`` (nothing to scale, and ``2^126`` squared overflows).
 
   ``newton_schulz`` scales its input by two of these, ``e`` from its largest magnitude (``|x 2^-e|
   < 1``, so no square overflows: those of entries above ~1.8e19 would; ``< 4`` for a largest
@@ -199,11 +200,13 @@ def power_of_two_scale(v: jax.Array) -> jax.Array:
   ``compute_dtype`` values (bfloat16 gradients, say) reaches the iteration unrounded. Dividing by
   the norm rounds it a second time, which on small matrices (4 x 4, 8 x 8) can move a singular
   value near the band's low end below it (``benchmarks/RESULTS.md``). ``e`` is read from the
-  exponent field of ``v``'s bits, which is 0 for 0 and for subnormals: ``e = -126`` for them.
+  exponent field of ``v``'s bits (not by comparing floats, which XLA:CPU may flush), which is 0
+  for subnormals: ``e = -126`` for them.
   """
   bits = jax.lax.bitcast_convert_type(v.astype(jnp.float32), jnp.int32)
   e = jnp.clip(((bits >> 23) & 0xFF) - 126, -126, 126)
-  return jax.lax.bitcast_convert_type((127 - e) << 23, jnp.float32)
+  scale = jnp.where((bits & 0x7FFFFFFF) == 0, 127, 127 - e) << 23  # 127 << 23 is 1.0
+  return jax.lax.bitcast_convert_type(scale, jnp.float32)
 
 
 def ns_flops(shape: tuple[int, ...], *, steps: int | None = 5, coeffs: Any = "muon",
@@ -255,21 +258,25 @@ def _left(P: jax.Array, X: jax.Array, tall: bool, dtype: Any = None, prec: Any =
   return matmul(P, X, prec, dtype, (1.0, c))
 
 
-def first_scale(A: jax.Array, schatten4: bool, norm_scale: float, floor: jax.Array) -> jax.Array:
+def first_scale(A: jax.Array, schatten4: bool, norm_scale: float, floor: jax.Array,
+                fro: jax.Array | None = None) -> jax.Array:
   """The first step's scale ``s = norm_scale * ||X|| + floor`` from ``A = X X^T`` (float32,
-  keepdims): ``||X||_S4 = ||A||_F^(1/2)`` if ``schatten4``, else ``||X||_F = trace(A)^(1/2)``;
+  keepdims): ``||X||_S4 = ||A||_F^(1/2)`` if ``schatten4``, else ``||X||_F``: ``fro`` if given
+  (``newton_schulz``'s, summed in float32 from the float32 input), else ``trace(A)^(1/2)``;
   1 for ``X = 0``.
 
   The first step runs on ``X / s``, folded in: with ``A' = A / s^2`` it is ``(gamma / s) X +
   (B(A') / s) X``, and a Gram iteration's ``Q`` is divided by ``s``. ``X`` is its input scaled
   by powers of two (``power_of_two_scale``: ``||X||_F`` in [1/2, 1) and ``||X||_S4 >=
   rank^(-1/4) ||X||_F``), so ``1 / s`` is at most ``2 rank^(1/4)``, in float16's range. A zero
-  ``X`` stays zero at any scale, and ``1 / floor`` (1e7 and more) would overflow a float16
-  operand (``inf * 0`` is NaN).
+  ``X`` stays zero at any scale, and ``1 / floor`` (1e7 for a zero input) would overflow a
+  float16 operand (``inf * 0`` is NaN).
   """
   af = A.astype(jnp.float32)
   if schatten4:
     norm = jnp.sqrt(jnp.sqrt(jnp.sum(af * af, axis=(-2, -1), keepdims=True)))
+  elif fro is not None:
+    norm = fro
   else:
     norm = jnp.sqrt(jnp.trace(af, axis1=-2, axis2=-1))[..., None, None]
   return jnp.where(norm > 0, norm_scale * norm + floor, 1.0)

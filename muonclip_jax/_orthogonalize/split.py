@@ -147,7 +147,7 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
   gram_f = lambda X, t=None, of=gram_of: jax.lax.psum(of(X, False, t, prec), axes)
   A = gram_f(X, jnp.float32, gram_in_chunks if it["gram"] else gram_of)
   f = power_of_two_scale(jnp.sqrt(jnp.trace(A, axis1=-2, axis2=-1))[..., None, None])
-  X = (X.astype(jnp.float32) * f).astype(dtype)
+  X = (xf * e * f).astype(dtype)  # one rounding, as newton_schulz's
   A = A * (f * f)
   inv = 1.0 / first_scale(A, it["schatten4"], it["norm_scale"], eps * e * f)
   A = A * (inv * inv)
