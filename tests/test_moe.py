@@ -131,7 +131,7 @@ def test_maxtext_linen_moe_per_expert_with_per_head_attention(scan):
   clip = mc.muonclip(1.0, layout=LAYOUT, weight_decay=0.0, muon_blocks="head")
   max_logits = jax.tree.map(jnp.zeros_like, mc.init_max_logits(params, LAYOUT))
   clipped = nn.unbox(jax.jit(clip.update)(boxed_grads, clip.init(params), params, max_logits=max_logits)[0])
-  chex.assert_trees_all_close(jax.tree.map(lambda u: -u, clipped), got, atol=1e-6)
+  assert_same_math(jax.tree.map(lambda u: -u, clipped), got)  # two programs: to the suite's rounding
 
 
 def test_one_expert_with_a_tiny_gradient_still_gets_an_orthogonal_update():

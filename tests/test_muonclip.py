@@ -104,8 +104,10 @@ def test_forward_maxima_clip_is_qk_clip_of_the_update():
     p_ref = clip_fn(optax.apply_updates(p_clip, ub), maxima)
     uc, sc = clip_update(g, sc, p_clip, max_logits=maxima)
     p_clip = optax.apply_updates(p_clip, uc)
-    # Documented rounding: at most one float32 ulp of the old or new weight (|w| < 1 here).
-    chex.assert_trees_all_close(p_clip, p_ref, rtol=0, atol=1.2e-7)
+    # Two programs (muonclip's update, muon_adamw's): equal to the suite's rounding, far below a
+    # clip factor's 1 - gamma. (One float32 ulp of the weights held before Newton–Schulz's input
+    # was scaled by powers of two; since, the two round wkv_a's update apart by up to 2.1e-7.)
+    assert_same_math(p_clip, p_ref)
   # and the clip did fire
   assert any(float(jnp.max(s)) > 3.0 for s in _max_logits(params, BATCHES[0]).values())
 
