@@ -19,7 +19,10 @@ per matrix and layer, as Hugging Face Flax models and layer-by-layer NNX models 
 Contenders: ``optax.adamw``, ``optax.contrib.muon`` (its defaults), ``mc.muon_adamw`` (the
 default grouping) and ``mc.muon_adamw(ns_batch=1)`` (one matrix per call). ``--sharded``
 compiles ``mc.muon_adamw(shard_orthogonalization=...)`` with the params sharded over 8 fake
-CPU devices (FSDP on the larger axis), in a process of its own.
+CPU devices (FSDP on the larger axis), in a process of its own. ``--checkout LABEL=PATH`` adds the
+default update of the package in another checkout (a git worktree at an earlier commit, say),
+imported in this process under ``LABEL``: a change's compile time against the code before it, in
+one process and the same rounds, where separate processes differ by the machine's drift.
 
 Usage::
 
@@ -27,6 +30,9 @@ Usage::
   PYTHONPATH=. python benchmarks/bench_compile.py --sharded        # the distributed path, 8 devices
   PYTHONPATH=. python benchmarks/bench_compile.py --layers 12 --trees gpt --repeats 2   # quick
   PYTHONPATH=. python benchmarks/bench_compile.py --layers 48 96 --trees gpt --only optax.adamw "(default)" --compiles 5
+  git worktree add /tmp/before <commit>   # then, against the code before a change:
+  PYTHONPATH=. python benchmarks/bench_compile.py --layers 48 --only optax.adamw "(default)" --compiles 12 \
+      --repeats 1 --checkout before=/tmp/before
 """
 
 from __future__ import annotations
@@ -39,9 +45,12 @@ if "--sharded" in sys.argv:  # before jax starts
   os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import argparse
+import importlib
 import os
 import platform
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -104,12 +113,15 @@ def measure(make_opts: Callable[[], dict], params: dict, repeats: int, compiles:
   """Median compile time of ``compiles`` fresh compiles per contender, and median step time.
 
   Every round builds the contenders anew (``make_opts``), so no compile is served from a
-  cache, and compiles them in turn: the machine's drift falls on every contender alike.
+  cache, and compiles them in turn: the machine's drift falls on every contender alike. The
+  first (``optax.adamw``, the scale) compiles first in every round; the others' order rotates
+  from round to round, so that none always follows the same one.
   """
   grads = jax.tree.map(jnp.sin, params)
   runs, out = {}, {}
-  for _ in range(compiles):
-    for name, opt in make_opts().items():
+  for r in range(compiles):
+    first, *rest = make_opts().items()
+    for name, opt in [first] + rest[r % max(len(rest), 1):] + rest[:r % max(len(rest), 1)]:
       state = opt.init(params)
       t0, c0 = time.perf_counter(), time.process_time()
       compiled = jax.jit(opt.update).lower(grads, state, params).compile()
@@ -138,6 +150,21 @@ def _spread(times: list[float]) -> str:
   return f" ({min(times):.2f}-{max(times):.2f})" if len(times) > 1 else ""
 
 
+def load_checkouts(specs: list[str], into: str) -> dict:
+  """``{label: module}``: each ``LABEL=PATH``'s ``PATH/muonclip_jax`` copied to ``into/LABEL`` and
+  imported under that name (the package imports itself by relative imports only)."""
+  mods = {}
+  sys.path.insert(0, into)
+  for spec in specs:
+    label, _, root = spec.partition("=")
+    if not label.isidentifier() or not os.path.isdir(os.path.join(root, "muonclip_jax")):
+      raise SystemExit(f"--checkout takes LABEL=PATH, an identifier and a directory holding muonclip_jax/; got {spec!r}")
+    shutil.copytree(os.path.join(root, "muonclip_jax"), os.path.join(into, label),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    mods[label] = importlib.import_module(label)
+  return mods
+
+
 def shard(params: dict, mesh: Mesh) -> dict:
   def place(x):
     axis = int(np.argmax(x.shape))
@@ -162,7 +189,12 @@ def main() -> None:
   parser.add_argument("--call-flops", type=float, nargs="*", default=[],
                       help="also time the default with these per-call FLOP budgets (the accelerator rule's "
                            "CALL_FLOPS; 0: one matrix per call)")
+  parser.add_argument("--checkout", action="append", default=[], metavar="LABEL=PATH",
+                      help="also time the default update of the muonclip_jax in PATH (another checkout), "
+                           "imported here as LABEL")
   args = parser.parse_args()
+  copies = tempfile.TemporaryDirectory()  # removed when the process ends
+  checkouts = load_checkouts(args.checkout, copies.name)
   print(f"jax {jax.__version__}, optax {optax.__version__}, backend {jax.default_backend()}, "
         f"{jax.devices()[0].device_kind} x {len(jax.devices())}, {platform.machine()} x {os.cpu_count()} cores, "
         f"python {platform.python_version()}")
@@ -180,6 +212,8 @@ def main() -> None:
           opts = {name: opt for name, opt in opts.items() if any(key in name for key in args.only)}
         for budget in args.call_flops:
           opts[f"default, CALL_FLOPS={budget:.3g}"] = _with_budget(budget)
+        for label, mod in checkouts.items():
+          opts[f"{label}: muon_adamw (default)"] = mod.muon_adamw(1e-3)
         return opts
 
       res = measure(make_opts, params, args.repeats, args.compiles)

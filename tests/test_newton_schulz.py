@@ -174,21 +174,40 @@ def test_huge_inputs_give_the_output_of_the_input_scaled_down(method, normalize)
 
 def test_inputs_are_scaled_by_normal_powers_of_two():
   """``power_of_two_scale(v)`` is a normal float32 power of two ``2^-e`` with ``v 2^-e`` in [1/2, 1)
-  for every normal ``v`` up to 2^126 (float32's whole range but its top octave), in [1, 4) above
-  (``e`` capped at 126: ``2^-127`` is subnormal), ``2^126`` for subnormals and 1 for zero (whose
-  scale is squared in the split iteration: ``2^252`` would overflow, and ``0 * inf`` is NaN)."""
+  for every ``v`` in [2^-63, 2^126), ``2^-126`` above (``2^-127`` is subnormal) and ``2^63`` below
+  (zero included). Two of them, as ``newton_schulz`` applies them (below the largest magnitude,
+  then below the norm of the result), bring every matrix of norm at least ``2^-126`` to a
+  Frobenius norm in [1/2, 1) with entries below 4, and keep a zero one finite (``2^126``: no
+  ``inf * 0``, which gave NaN in the split iteration)."""
   from muonclip_jax._orthogonalize.newton_schulz import power_of_two_scale
   rng = np.random.default_rng(0)
-  v = np.concatenate([np.float32([2.0**-126, 1.0, 0.5, 0.75, 2.0**125, np.nextafter(np.float32(2.0**126), 0)]),
-                      np.exp2(rng.uniform(-126, 126, 4000)).astype(np.float32)])
+  v = np.concatenate([np.float32([2.0**-63, 1.0, 0.5, 0.75, 2.0**125, np.nextafter(np.float32(2.0**126), 0)]),
+                      np.exp2(rng.uniform(-63, 126, 4000)).astype(np.float32)])
   s = np.asarray(power_of_two_scale(jnp.asarray(v)), np.float64)
   mant, _ = np.frexp(s)
   assert np.all(mant == 0.5) and np.all(s >= np.finfo(np.float32).tiny)
   assert np.all((v * s >= 0.5) & (v * s < 1.0))
-  top = np.float32([2.0**126, 1e38, np.finfo(np.float32).max])
+  top = np.float32([2.0**126, 1e38, np.finfo(np.float32).max, np.inf])
   assert np.all(np.asarray(power_of_two_scale(jnp.asarray(top))) == np.float32(2.0**-126))
-  assert np.all(np.asarray(power_of_two_scale(jnp.float32([1e-40, 1e-45]))) == np.float32(2.0**126))
-  assert np.all(np.asarray(power_of_two_scale(jnp.float32([0.0, -0.0]))) == np.float32(1.0))
+  low = np.float32([np.nextafter(np.float32(2.0**-63), 0), 1e-30, 2.0**-126, 1e-40, 1e-45, 0.0])
+  assert np.all(np.asarray(power_of_two_scale(jnp.asarray(low))) == np.float32(2.0**63))
+
+  @jax.jit
+  def scaled(x):  # newton_schulz's two scales
+    e = power_of_two_scale(jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True))
+    y = x * e
+    k = power_of_two_scale(jnp.sqrt(jnp.sum(y * y, axis=(-2, -1), keepdims=True)))
+    return y * k, e * k
+
+  base = rng.standard_normal((1, 3, 5))
+  base[0, 0, 0] = 4 * np.abs(base).max()  # one large entry: the two scales differ
+  p = np.arange(-125, 128, 3.0)
+  x = np.float32(base * np.exp2(p)[:, None, None] / np.linalg.norm(base))  # norms 2^-125 ... 2^127
+  X, ek = (np.asarray(a, np.float64) for a in scaled(jnp.asarray(x)))
+  norms = np.linalg.norm(X, axis=(-2, -1))
+  assert np.all((norms >= 0.5) & (norms < 1.0)) and np.all(np.abs(X) < 4), norms
+  X0, ek0 = scaled(jnp.zeros((1, 3, 5), jnp.float32))
+  assert np.all(np.asarray(X0) == 0) and float(ek0.squeeze()) == 2.0**126 and np.all(np.isfinite(ek))
 
 
 def test_zero_size_matrices_give_an_empty_output():

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._util import power_of_two_below
 from .blocks import stack_axes
 
 
@@ -81,7 +82,7 @@ def rescale(ms: list, gs: list, ss: list) -> list[tuple[jax.Array, jax.Array]]:
   keeps its exact form and rounding: the plain formula's operations).
 
   This is one fused reduction (``a``), a few scalar integer operations on ``a``'s exponent
-  bits (``_power_of_two_below``) and a select. Under the default grouping it runs in each
+  bits (``_util.powers_of_two``) and a select. Under the default grouping it runs in each
   stack's loop (``_orthogonalize.batching``), compiled once per stack: traced once per leaf
   of a deep unscanned model (hundreds of leaves), such scalar code multiplied the update's
   compile time (``benchmarks/RESULTS.md``, "The scaled momentum's compile time" and "The
@@ -92,6 +93,7 @@ def rescale(ms: list, gs: list, ss: list) -> list[tuple[jax.Array, jax.Array]]:
   for m, g, s in zip(ms, gs, ss):
     x = min(jnp.finfo(m.dtype).maxexp, jnp.finfo(g.dtype).maxexp)
     dt = s.dtype
+    bias = jnp.finfo(dt).maxexp - 1
     # max(max|m|, max|g| / s) in one reduction: s is a power of two, so dividing each entry
     # first gives the same maximum
     # a per-matrix s (shape: the leaf's, size 1 on the matrix axes) reduces over those axes only
@@ -100,30 +102,12 @@ def rescale(ms: list, gs: list, ss: list) -> list[tuple[jax.Array, jax.Array]]:
     a = a.reshape(s.shape)
     # c: the largest power of two with a c < T; below 1 (s grows) only where a >= T. Where
     # a < T, c >= 1 and s / c must stay >= 1: min(c, s) lets s fall back towards 1 but not past it
+    # (a zero a gives 2^bias, the dtype's largest power of two: clipped to s all the same)
     ones = np.ones(s.shape, dt)
-    c = lax.select(lax.is_finite(a), lax.min(_power_of_two_below(a, x - 3), s), ones)
+    c = lax.select(lax.is_finite(a), lax.min(power_of_two_below(a, x - 3, 1 - bias, bias), s), ones)
     grown = lax.mul(m.astype(dt), _spread(c, m.shape)).astype(m.dtype)
     out.append((lax.select(_spread(lax.eq(c, ones), m.shape), m, grown), lax.div(s, c)))
   return out
-
-
-def _power_of_two_below(a: jax.Array, t: int) -> jax.Array:
-  """``2^(t - k)`` for ``a = f 2^k``, ``f`` in [0.5, 1) (``frexp``'s ``k``): the largest power of
-  two ``c`` with ``a c < 2^t``, for a finite ``a > 0`` of a normal exponent; clamped to the
-  dtype's normal powers of two (so a zero or subnormal ``a`` gives the largest, ``2^bias``,
-  where ``ldexp`` would give inf: ``rescale`` then clips it to ``s`` all the same).
-
-  Read from ``a``'s exponent bits: ``a``'s biased exponent ``e`` gives ``k = e - bias + 1``,
-  and ``c``'s biased exponent is ``t - k + bias``. A handful of integer operations, where
-  ``frexp`` and ``ldexp`` are a few dozen (they handle subnormals and signs, which ``a`` never
-  needs).
-  """
-  info = jnp.finfo(a.dtype)
-  bias, itype = info.maxexp - 1, np.dtype(f"int{info.bits}")
-  const = lambda v: np.asarray(v, itype)  # noqa: E731
-  e = lax.shift_right_logical(lax.bitcast_convert_type(a, itype), const(info.nmant))
-  ec = lax.clamp(const(1), lax.sub(const(t - 1 + 2 * bias), e), const(2 * bias))
-  return lax.bitcast_convert_type(lax.shift_left(ec, const(info.nmant)), a.dtype)
 
 
 def scale_shape(blocks: Any, path: str, shape: tuple[int, ...]) -> tuple[int, ...]:

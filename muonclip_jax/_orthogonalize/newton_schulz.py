@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._util import power_of_two_below
 from .precision import (FLOAT16, first_step_parts, iterate_scale, matmul, products, restarts as policy_restarts,
                         uses_gram)
 from .presets import GRAM_ASPECT, gram_restarts, resolve_coeffs, resolve_options, resolve_steps
@@ -189,9 +190,9 @@ def newton_schulz(
 
 
 def power_of_two_scale(v: jax.Array) -> jax.Array:
-  """``2^-e`` for the power of two with ``v < 2^e <= 2 v``, for a float32 ``v >= 0``, with ``e``
-  kept within [-126, 126]: a normal float32, so multiplying a float32 by it is exact (but where
-  the product underflows); 1 for ``v = 0`` (nothing to scale, and ``2^126`` squared overflows).
+  """``2^-e`` for the power of two with ``v < 2^e <= 2 v``, for a float32 ``v >= 0``, with ``-e``
+  kept within [-126, 63] (``_util.powers_of_two``): a normal float32, so multiplying a float32 by
+  it is exact (but where the product underflows), and its square is finite.
 
   ``newton_schulz`` scales its input by two of these, ``e`` from its largest magnitude (``|x 2^-e|
   < 1``, so no square overflows: those of entries above ~1.8e19 would; ``< 4`` for a largest
@@ -199,14 +200,12 @@ def power_of_two_scale(v: jax.Array) -> jax.Array:
   from the Frobenius norm of the result, instead of dividing by the norm: an input of
   ``compute_dtype`` values (bfloat16 gradients, say) reaches the iteration unrounded. Dividing by
   the norm rounds it a second time, which on small matrices (4 x 4, 8 x 8) can move a singular
-  value near the band's low end below it (``benchmarks/RESULTS.md``). ``e`` is read from the
-  exponent field of ``v``'s bits (not by comparing floats, which XLA:CPU may flush), which is 0
-  for subnormals: ``e = -126`` for them.
+  value near the band's low end below it (``benchmarks/RESULTS.md``). The top, ``2^63``, is where a
+  zero ``v`` lands (and a subnormal one, and those below ``2^-64``): two such scales make
+  ``2^126``, still finite, so a zero input stays zero with no ``inf * 0``; together they still
+  bring every input of norm above ``2^-126`` to ``||X||_F`` in [1/2, 1).
   """
-  bits = jax.lax.bitcast_convert_type(v.astype(jnp.float32), jnp.int32)
-  e = jnp.clip(((bits >> 23) & 0xFF) - 126, -126, 126)
-  scale = jnp.where((bits & 0x7FFFFFFF) == 0, 127, 127 - e) << 23  # 127 << 23 is 1.0
-  return jax.lax.bitcast_convert_type(scale, jnp.float32)
+  return power_of_two_below(v.astype(jnp.float32), 0, -126, 63)
 
 
 def ns_flops(shape: tuple[int, ...], *, steps: int | None = 5, coeffs: Any = "muon",
