@@ -46,6 +46,7 @@ if "--sharded" in sys.argv:  # before jax starts
 
 import argparse
 import importlib
+import importlib.util
 import os
 import platform
 import shutil
@@ -114,14 +115,16 @@ def measure(make_opts: Callable[[], dict], params: dict, repeats: int, compiles:
 
   Every round builds the contenders anew (``make_opts``), so no compile is served from a
   cache, and compiles them in turn: the machine's drift falls on every contender alike. The
-  first (``optax.adamw``, the scale) compiles first in every round; the others' order rotates
-  from round to round, so that none always follows the same one.
+  first (``optax.adamw`` unless ``--only`` leaves it out: the scale) compiles first in every
+  round; the others' order rotates from round to round, so that none always follows the same
+  one.
   """
   grads = jax.tree.map(jnp.sin, params)
   runs, out = {}, {}
-  for r in range(compiles):
+  for round_ in range(compiles):
     first, *rest = make_opts().items()
-    for name, opt in [first] + rest[r % max(len(rest), 1):] + rest[:r % max(len(rest), 1)]:
+    turn = round_ % max(len(rest), 1)
+    for name, opt in [first] + rest[turn:] + rest[:turn]:
       state = opt.init(params)
       t0, c0 = time.perf_counter(), time.process_time()
       compiled = jax.jit(opt.update).lower(grads, state, params).compile()
@@ -159,6 +162,8 @@ def load_checkouts(specs: list[str], into: str) -> dict:
     label, _, root = spec.partition("=")
     if not label.isidentifier() or not os.path.isdir(os.path.join(root, "muonclip_jax")):
       raise SystemExit(f"--checkout takes LABEL=PATH, an identifier and a directory holding muonclip_jax/; got {spec!r}")
+    if label in mods or importlib.util.find_spec(label) is not None:  # it would import that module instead
+      raise SystemExit(f"--checkout label {label!r} is taken (given twice, or an importable module); pick another")
     shutil.copytree(os.path.join(root, "muonclip_jax"), os.path.join(into, label),
                     ignore=shutil.ignore_patterns("__pycache__"))
     mods[label] = importlib.import_module(label)

@@ -173,41 +173,46 @@ def test_huge_inputs_give_the_output_of_the_input_scaled_down(method, normalize)
 
 
 def test_inputs_are_scaled_by_normal_powers_of_two():
-  """``power_of_two_scale(v)`` is a normal float32 power of two ``2^-e`` with ``v 2^-e`` in [1/2, 1)
-  for every ``v`` in [2^-63, 2^126), ``2^-126`` above (``2^-127`` is subnormal) and ``2^63`` below
-  (zero included). Two of them, as ``newton_schulz`` applies them (below the largest magnitude,
-  then below the norm of the result), bring every matrix of norm at least ``2^-126`` to a
-  Frobenius norm in [1/2, 1) with entries below 4, and keep a zero one finite (``2^126``: no
-  ``inf * 0``, which gave NaN in the split iteration)."""
+  """``power_of_two_scale(v, hi)`` is a normal float32 power of two ``2^-e`` with ``v 2^-e`` in
+  [1/2, 1) for every ``v`` in [2^-hi, 2^126), ``2^-126`` above (``2^-127`` is subnormal) and
+  ``2^hi`` below (zero and subnormals included). Two of them, as ``newton_schulz`` applies them
+  (below the largest magnitude, ``hi = 126``, then below the norm of the result, ``hi = 1``),
+  bring every matrix whose largest entry is normal to a Frobenius norm in [1/2, 1) with entries
+  below 4; a matrix of subnormals, where they are kept (NumPy here, as on a GPU: XLA:CPU flushes
+  them), to entries of at least 2^-23, whose norm is not 0 (else ``first_scale`` would take the
+  matrix as zero and drop the ``eps`` floor); and a zero one to a finite ``2^127``."""
   from muonclip_jax._orthogonalize.newton_schulz import power_of_two_scale
   rng = np.random.default_rng(0)
-  v = np.concatenate([np.float32([2.0**-63, 1.0, 0.5, 0.75, 2.0**125, np.nextafter(np.float32(2.0**126), 0)]),
-                      np.exp2(rng.uniform(-63, 126, 4000)).astype(np.float32)])
-  s = np.asarray(power_of_two_scale(jnp.asarray(v)), np.float64)
-  mant, _ = np.frexp(s)
-  assert np.all(mant == 0.5) and np.all(s >= np.finfo(np.float32).tiny)
-  assert np.all((v * s >= 0.5) & (v * s < 1.0))
-  top = np.float32([2.0**126, 1e38, np.finfo(np.float32).max, np.inf])
-  assert np.all(np.asarray(power_of_two_scale(jnp.asarray(top))) == np.float32(2.0**-126))
-  low = np.float32([np.nextafter(np.float32(2.0**-63), 0), 1e-30, 2.0**-126, 1e-40, 1e-45, 0.0])
-  assert np.all(np.asarray(power_of_two_scale(jnp.asarray(low))) == np.float32(2.0**63))
+  for hi in (126, 1):
+    v = np.concatenate([np.float32([2.0**-hi, 1.0, 0.5, 0.75, 2.0**125, np.nextafter(np.float32(2.0**126), 0)]),
+                        np.exp2(rng.uniform(-hi, 126, 4000)).astype(np.float32)])
+    s = np.asarray(power_of_two_scale(jnp.asarray(v), hi), np.float64)
+    mant, _ = np.frexp(s)
+    assert np.all(mant == 0.5) and np.all(s >= np.finfo(np.float32).tiny)
+    assert np.all((v * s >= 0.5) & (v * s < 1.0))
+    top = np.float32([2.0**126, 1e38, np.finfo(np.float32).max, np.inf])
+    assert np.all(np.asarray(power_of_two_scale(jnp.asarray(top), hi)) == np.float32(2.0**-126))
+    low = np.float32([np.nextafter(np.float32(2.0**-hi), 0), 2.0**-127, 1e-40, 1e-45, 0.0])
+    assert np.all(np.asarray(power_of_two_scale(jnp.asarray(low), hi)) == np.float32(2.0**hi))
 
-  @jax.jit
-  def scaled(x):  # newton_schulz's two scales
-    e = power_of_two_scale(jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True))
+  def scaled(x):  # newton_schulz's two scales, the products in NumPy's float32 (subnormals kept)
+    e = np.asarray(power_of_two_scale(jnp.asarray(np.abs(x).max(axis=(-2, -1), keepdims=True)), 126))
     y = x * e
-    k = power_of_two_scale(jnp.sqrt(jnp.sum(y * y, axis=(-2, -1), keepdims=True)))
-    return y * k, e * k
+    k = np.asarray(power_of_two_scale(jnp.asarray(np.sqrt(np.sum(y * y, axis=(-2, -1), keepdims=True))), 1))
+    return (y * k).astype(np.float64), np.float64(e) * k
 
   base = rng.standard_normal((1, 3, 5))
   base[0, 0, 0] = 4 * np.abs(base).max()  # one large entry: the two scales differ
-  p = np.arange(-125, 128, 3.0)
-  x = np.float32(base * np.exp2(p)[:, None, None] / np.linalg.norm(base))  # norms 2^-125 ... 2^127
-  X, ek = (np.asarray(a, np.float64) for a in scaled(jnp.asarray(x)))
+  p = np.arange(-125, 128, 3.0) + 0.3  # off the powers of two, where rounding decides the octave
+  x = np.float32(base * np.exp2(p)[:, None, None] / np.linalg.norm(base))  # norms 2^-124.7 ... 2^127.3
+  X, ek = scaled(x)
   norms = np.linalg.norm(X, axis=(-2, -1))
-  assert np.all((norms >= 0.5) & (norms < 1.0)) and np.all(np.abs(X) < 4), norms
-  X0, ek0 = scaled(jnp.zeros((1, 3, 5), jnp.float32))
-  assert np.all(np.asarray(X0) == 0) and float(ek0.squeeze()) == 2.0**126 and np.all(np.isfinite(ek))
+  assert np.all((norms >= 0.5) & (norms < 1.0)) and np.all(np.abs(X) < 4) and np.all(np.isfinite(ek)), norms
+  sub = np.float32(np.sign(base) * 2.0**-149 * np.arange(1, 16).reshape(1, 3, 5))  # all subnormal
+  Xs, _ = scaled(sub)
+  assert np.abs(Xs).min() >= 2.0**-23 and np.all(np.float32(Xs) ** 2 > 0)
+  X0, ek0 = scaled(np.zeros((1, 3, 5), np.float32))
+  assert np.all(X0 == 0) and float(ek0.squeeze()) == 2.0**127
 
 
 def test_zero_size_matrices_give_an_empty_output():

@@ -23,8 +23,9 @@ def test_power_of_two_below_is_frexp_clamped(dtype):
   a = np.concatenate([a, np.asarray([info.smallest_normal, info.max, 1.0, 0.5], dtype)])
   _, k = np.frexp(a.astype(np.float64))
   for t, lo, hi in ((0, 1 - bias, bias), (bias - 3, 1 - bias, bias), (0, -bias // 2, bias // 2), (3, 0, 5)):
-    got = np.asarray(power_of_two_below(jnp.asarray(a), t, lo, hi)).astype(np.float64)
-    assert got.dtype == np.float64 and np.all(got == np.exp2(np.clip(t - k, lo, hi))), (t, lo, hi)
+    got = power_of_two_below(jnp.asarray(a), t, lo, hi)
+    assert got.dtype == dtype
+    assert np.all(np.asarray(got).astype(np.float64) == np.exp2(np.clip(t - k, lo, hi))), (t, lo, hi)
     edge = np.asarray([0.0, float(info.smallest_subnormal), np.inf, np.nan], dtype)
     got = np.asarray(power_of_two_below(jnp.asarray(edge), t, lo, hi)).astype(np.float64)
     low, high = (2.0 ** np.clip(t - kk, lo, hi) for kk in (1 - bias, bias + 2))

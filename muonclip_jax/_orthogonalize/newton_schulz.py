@@ -175,10 +175,10 @@ def newton_schulz(
   xf = x.astype(jnp.float32)
   # x 2^-e 2^-k, exact before the cast (power_of_two_scale), with ||X||_F in [1/2, 1): the norm's
   # scale, norm_scale * ||X|| + eps 2^-e 2^-k, is folded into the first step (first_scale).
-  e = power_of_two_scale(jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True))
+  e = power_of_two_scale(jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True), 126)
   y = xf * e  # |y| < 4: no square overflows
   norm = jnp.sqrt(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True))
-  k = power_of_two_scale(norm)
+  k = power_of_two_scale(norm, 1)
   X = (y * k).astype(dtype)
   first = (normalize == "schatten4", norm_scale, eps * e * k, norm * k)  # first_scale's arguments after A
   if gram:
@@ -189,23 +189,29 @@ def newton_schulz(
   return X.astype(x.dtype)
 
 
-def power_of_two_scale(v: jax.Array) -> jax.Array:
-  """``2^-e`` for the power of two with ``v < 2^e <= 2 v``, for a float32 ``v >= 0``, with ``-e``
-  kept within [-126, 63] (``_util.powers_of_two``): a normal float32, so multiplying a float32 by
-  it is exact (but where the product underflows), and its square is finite.
+def power_of_two_scale(v: jax.Array, hi: int) -> jax.Array:
+  """``2^-e`` for the power of two with ``v < 2^e <= 2 v``, for a float32 ``v >= 0`` (sign bit
+  clear: not ``-0.0``), with ``-e`` kept within [-126, hi] (``_util.powers_of_two``): a normal
+  float32, so multiplying a float32 by it is exact (but where the product underflows).
 
-  ``newton_schulz`` scales its input by two of these, ``e`` from its largest magnitude (``|x 2^-e|
-  < 1``, so no square overflows: those of entries above ~1.8e19 would; ``< 4`` for a largest
-  magnitude above 2^126, where ``2^-127`` would be subnormal, flushed to zero by XLA:CPU) and ``k``
-  from the Frobenius norm of the result, instead of dividing by the norm: an input of
-  ``compute_dtype`` values (bfloat16 gradients, say) reaches the iteration unrounded. Dividing by
-  the norm rounds it a second time, which on small matrices (4 x 4, 8 x 8) can move a singular
-  value near the band's low end below it (``benchmarks/RESULTS.md``). The top, ``2^63``, is where a
-  zero ``v`` lands (and a subnormal one, and those below ``2^-64``): two such scales make
-  ``2^126``, still finite, so a zero input stays zero with no ``inf * 0``; together they still
-  bring every input of norm above ``2^-126`` to ``||X||_F`` in [1/2, 1).
+  ``newton_schulz`` scales its input by two of these instead of dividing it by its norm, so that
+  an input of ``compute_dtype`` values (bfloat16 gradients, say) reaches the iteration unrounded
+  (dividing rounds it a second time, which on small matrices, 4 x 4 or 8 x 8, can move a singular
+  value near the band's low end below it: ``benchmarks/RESULTS.md``):
+
+  * ``e`` from its largest magnitude, ``hi = 126``: ``|x 2^-e|`` in [1/2, 1), so no square
+    overflows (those of entries above ~1.8e19 would); in [1, 4) for a largest magnitude above
+    2^126 (``2^-127`` would be subnormal, flushed to zero by XLA:CPU); ``2^126`` for a zero or
+    subnormal largest magnitude (read from the exponent bits, which are 0 for both), which
+    brings a subnormal matrix (where a backend keeps subnormals) to entries of at least 2^-23,
+    whose squares are normal: its norm is not 0.
+  * ``k`` from the Frobenius norm of the result, ``hi = 1``: ``||X||_F`` in [1/2, 1). That norm
+    is at least 1/2 unless the first scale was capped at ``2^126``, so ``2 = 2^1`` only caps the
+    scale of a zero or subnormal matrix, whose ``eps`` floor dominates its norm. A zero input's
+    two scales make ``2^127``, finite: no ``inf * 0`` where they are multiplied together or
+    squared (the split iteration's ``A f^2``).
   """
-  return power_of_two_below(v.astype(jnp.float32), 0, -126, 63)
+  return power_of_two_below(v.astype(jnp.float32), 0, -126, hi)
 
 
 def ns_flops(shape: tuple[int, ...], *, steps: int | None = 5, coeffs: Any = "muon",
@@ -262,14 +268,14 @@ def first_scale(A: jax.Array, schatten4: bool, norm_scale: float, floor: jax.Arr
   """The first step's scale ``s = norm_scale * ||X|| + floor`` from ``A = X X^T`` (float32,
   keepdims): ``||X||_S4 = ||A||_F^(1/2)`` if ``schatten4``, else ``||X||_F``: ``fro`` if given
   (``newton_schulz``'s, summed in float32 from the float32 input), else ``trace(A)^(1/2)``;
-  1 for ``X = 0``.
+  1 for ``X = 0`` (``power_of_two_scale``: the norm is 0 only then).
 
   The first step runs on ``X / s``, folded in: with ``A' = A / s^2`` it is ``(gamma / s) X +
   (B(A') / s) X``, and a Gram iteration's ``Q`` is divided by ``s``. ``X`` is its input scaled
   by powers of two (``power_of_two_scale``: ``||X||_F`` in [1/2, 1) and ``||X||_S4 >=
   rank^(-1/4) ||X||_F``), so ``1 / s`` is at most ``2 rank^(1/4)``, in float16's range. A zero
-  ``X`` stays zero at any scale, and ``1 / floor`` (1e7 for a zero input) would overflow a
-  float16 operand (``inf * 0`` is NaN).
+  ``X`` stays zero at any scale; 1 keeps the step's factors finite whatever the floor (``1 / eps``
+  would overflow a float16 operand, and ``inf * 0`` is NaN).
   """
   af = A.astype(jnp.float32)
   if schatten4:

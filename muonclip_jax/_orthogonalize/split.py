@@ -141,12 +141,12 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
   # largest magnitude (|x e| < 4: no square overflows), then below the Frobenius norm, read from
   # the trace of the first Gram matrix (the Gram iteration's G: in chunks), scaled alike. The
   # first step's scale is folded in (first_scale).
-  e = power_of_two_scale(jax.lax.pmax(jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True), axes))
+  e = power_of_two_scale(jax.lax.pmax(jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True), axes), 126)
   X = (xf * e).astype(dtype)
   prec = it.get("prec")
   gram_f = lambda X, t=None, of=gram_of: jax.lax.psum(of(X, False, t, prec), axes)
   A = gram_f(X, jnp.float32, gram_in_chunks if it["gram"] else gram_of)
-  f = power_of_two_scale(jnp.sqrt(jnp.trace(A, axis1=-2, axis2=-1))[..., None, None])
+  f = power_of_two_scale(jnp.sqrt(jnp.trace(A, axis1=-2, axis2=-1))[..., None, None], 1)
   X = (xf * e * f).astype(dtype)  # one rounding, as newton_schulz's
   A = A * (f * f)
   inv = 1.0 / first_scale(A, it["schatten4"], it["norm_scale"], eps * e * f)
