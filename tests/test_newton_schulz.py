@@ -176,14 +176,15 @@ def test_inputs_are_scaled_by_normal_powers_of_two():
   """``power_of_two_scale(v, hi)`` is a normal float32 power of two ``2^-e`` with ``v 2^-e`` in
   [1/2, 1) for every ``v`` in [2^-hi, 2^126), ``2^-126`` above (``2^-127`` is subnormal) and
   ``2^hi`` below (zero and subnormals included). Two of them, as ``newton_schulz`` applies them
-  (below the largest magnitude, ``hi = 126``, then below the norm of the result, ``hi = 1``),
-  bring every matrix whose largest entry is normal to a Frobenius norm in [1/2, 1) with entries
-  below 4; a matrix of subnormals, where they are kept (NumPy here, as on a GPU: XLA:CPU flushes
-  them), to entries of at least 2^-23, whose norm is not 0 (else ``first_scale`` would take the
-  matrix as zero and drop the ``eps`` floor); and a zero one to a finite ``2^127``."""
-  from muonclip_jax._orthogonalize.newton_schulz import power_of_two_scale
+  (below the largest magnitude, ``hi = LARGEST_CAP``, then below the norm of the result, ``hi =
+  NORM_CAP``), bring every matrix whose largest entry is normal to a Frobenius norm in [1/2, 1)
+  with entries below 4; give a matrix of subnormals, where they are kept (NumPy here, as on a
+  GPU: XLA:CPU flushes them), a norm that is not 0 after the first (else ``first_scale`` would
+  take the matrix for zero and drop the ``eps`` floor); and a zero one a finite ``2^127``."""
+  from muonclip_jax._orthogonalize.newton_schulz import LARGEST_CAP, NORM_CAP, power_of_two_scale
+  assert (LARGEST_CAP, NORM_CAP) == (126, 1)
   rng = np.random.default_rng(0)
-  for hi in (126, 1):
+  for hi in (LARGEST_CAP, NORM_CAP):
     v = np.concatenate([np.float32([2.0**-hi, 1.0, 0.5, 0.75, 2.0**125, np.nextafter(np.float32(2.0**126), 0)]),
                         np.exp2(rng.uniform(-hi, 126, 4000)).astype(np.float32)])
     s = np.asarray(power_of_two_scale(jnp.asarray(v), hi), np.float64)
@@ -196,23 +197,25 @@ def test_inputs_are_scaled_by_normal_powers_of_two():
     assert np.all(np.asarray(power_of_two_scale(jnp.asarray(low), hi)) == np.float32(2.0**hi))
 
   def scaled(x):  # newton_schulz's two scales, the products in NumPy's float32 (subnormals kept)
-    e = np.asarray(power_of_two_scale(jnp.asarray(np.abs(x).max(axis=(-2, -1), keepdims=True)), 126))
+    e = np.asarray(power_of_two_scale(jnp.asarray(np.abs(x).max(axis=(-2, -1), keepdims=True)), LARGEST_CAP))
     y = x * e
-    k = np.asarray(power_of_two_scale(jnp.asarray(np.sqrt(np.sum(y * y, axis=(-2, -1), keepdims=True))), 1))
-    return (y * k).astype(np.float64), np.float64(e) * k
+    norm = np.sqrt(np.sum(y * y, axis=(-2, -1), keepdims=True))
+    k = np.asarray(power_of_two_scale(jnp.asarray(norm), NORM_CAP))
+    return (y * k).astype(np.float64), norm, e * k  # e * k in float32, as newton_schulz's floor
 
   base = rng.standard_normal((1, 3, 5))
   base[0, 0, 0] = 4 * np.abs(base).max()  # one large entry: the two scales differ
   p = np.arange(-125, 128, 3.0) + 0.3  # off the powers of two, where rounding decides the octave
   x = np.float32(base * np.exp2(p)[:, None, None] / np.linalg.norm(base))  # norms 2^-124.7 ... 2^127.3
-  X, ek = scaled(x)
+  X, _, ek = scaled(x)
   norms = np.linalg.norm(X, axis=(-2, -1))
   assert np.all((norms >= 0.5) & (norms < 1.0)) and np.all(np.abs(X) < 4) and np.all(np.isfinite(ek)), norms
   sub = np.float32(np.sign(base) * 2.0**-149 * np.arange(1, 16).reshape(1, 3, 5))  # all subnormal
-  Xs, _ = scaled(sub)
-  assert np.abs(Xs).min() >= 2.0**-23 and np.all(np.float32(Xs) ** 2 > 0)
-  X0, ek0 = scaled(np.zeros((1, 3, 5), np.float32))
-  assert np.all(X0 == 0) and float(ek0.squeeze()) == 2.0**127
+  _, norm, ek = scaled(sub)
+  assert float(norm.squeeze()) > 0 and np.isfinite(ek).all()
+  X0, norm0, ek0 = scaled(np.zeros((1, 3, 5), np.float32))
+  assert np.all(X0 == 0) and float(norm0.squeeze()) == 0
+  assert ek0.dtype == np.float32 and float(ek0.squeeze()) == 2.0**127
 
 
 def test_zero_size_matrices_give_an_empty_output():

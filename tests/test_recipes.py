@@ -91,15 +91,13 @@ def flat(tree):
 
 
 def check_step(p_clip, p_ref, expected, exact_slices=()):
-  """Clipped leaves match the NumPy rule; every other leaf is muon_adamw's, to the rounding of
-  two separately compiled programs (``_exactness.assert_same_math``)."""
+  """Clipped leaves match the NumPy rule applied to muon_adamw's, every other leaf is muon_adamw's,
+  both to the rounding of two separately compiled programs (``_exactness.assert_same_math``:
+  a wrong clip factor moves entries by ``1 - gamma``, above 1e-3 of them)."""
   got, ref = flat(p_clip), flat(p_ref)
   assert set(got) == set(ref) and set(expected) <= set(got), sorted(set(expected) - set(got))
   for path, x in got.items():
-    if path in expected:
-      np.testing.assert_allclose(x, expected[path], rtol=1e-6, atol=1e-7, err_msg=path)
-    else:
-      assert_same_math(x, ref[path], err_msg=path)
+    assert_same_math(x, expected.get(path, ref[path]), err_msg=path)
   for path, sl in exact_slices:  # e.g. the value columns of a fused kernel
     assert_same_math(got[path][sl], ref[path][sl], err_msg=path)
 

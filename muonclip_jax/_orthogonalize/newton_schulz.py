@@ -175,10 +175,10 @@ def newton_schulz(
   xf = x.astype(jnp.float32)
   # x 2^-e 2^-k, exact before the cast (power_of_two_scale), with ||X||_F in [1/2, 1): the norm's
   # scale, norm_scale * ||X|| + eps 2^-e 2^-k, is folded into the first step (first_scale).
-  e = power_of_two_scale(jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True), 126)
+  e = power_of_two_scale(jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True), LARGEST_CAP)
   y = xf * e  # |y| < 4: no square overflows
   norm = jnp.sqrt(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True))
-  k = power_of_two_scale(norm, 1)
+  k = power_of_two_scale(norm, NORM_CAP)
   X = (y * k).astype(dtype)
   first = (normalize == "schatten4", norm_scale, eps * e * k, norm * k)  # first_scale's arguments after A
   if gram:
@@ -187,6 +187,10 @@ def newton_schulz(
   else:
     X = _iterate(X, table, steps, first, tall, prec)
   return X.astype(x.dtype)
+
+
+# power_of_two_scale's caps (its hi): below the largest magnitude, then below the norm after it
+LARGEST_CAP, NORM_CAP = 126, 1
 
 
 def power_of_two_scale(v: jax.Array, hi: int) -> jax.Array:
@@ -199,17 +203,17 @@ def power_of_two_scale(v: jax.Array, hi: int) -> jax.Array:
   (dividing rounds it a second time, which on small matrices, 4 x 4 or 8 x 8, can move a singular
   value near the band's low end below it: ``benchmarks/RESULTS.md``):
 
-  * ``e`` from its largest magnitude, ``hi = 126``: ``|x 2^-e|`` in [1/2, 1), so no square
-    overflows (those of entries above ~1.8e19 would); in [1, 4) for a largest magnitude above
-    2^126 (``2^-127`` would be subnormal, flushed to zero by XLA:CPU); ``2^126`` for a zero or
-    subnormal largest magnitude (read from the exponent bits, which are 0 for both), which
-    brings a subnormal matrix (where a backend keeps subnormals) to entries of at least 2^-23,
-    whose squares are normal: its norm is not 0.
-  * ``k`` from the Frobenius norm of the result, ``hi = 1``: ``||X||_F`` in [1/2, 1). That norm
-    is at least 1/2 unless the first scale was capped at ``2^126``, so ``2 = 2^1`` only caps the
-    scale of a zero or subnormal matrix, whose ``eps`` floor dominates its norm. A zero input's
-    two scales make ``2^127``, finite: no ``inf * 0`` where they are multiplied together or
-    squared (the split iteration's ``A f^2``).
+  * ``e`` from its largest magnitude, ``hi = LARGEST_CAP = 126``: ``|x 2^-e|`` in [1/2, 1), so
+    no square overflows (those of entries above ~1.8e19 would); in [1, 4) for a largest
+    magnitude at or above 2^126 (``2^-127`` would be subnormal, flushed to zero by XLA:CPU);
+    ``2^126`` for a zero or subnormal largest magnitude (read from the exponent bits, which are
+    0 for both), which brings a matrix of subnormals (where a backend keeps them) to entries of
+    at least 2^-23, whose squares are normal: its norm is not 0.
+  * ``k`` from the Frobenius norm of the result, ``hi = NORM_CAP = 1``: ``||X||_F`` in [1/2, 1).
+    That norm is at least 1/2 unless the first scale was capped at ``2^126``, so ``2^1`` caps only
+    the scale of a zero or subnormal matrix, whose ``eps`` floor dominates its norm. A zero
+    input's two scales make ``2^127``, finite: no ``inf * 0`` where they are multiplied together
+    or squared (the split iteration's ``A f^2``).
   """
   return power_of_two_below(v.astype(jnp.float32), 0, -126, hi)
 

@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .newton_schulz import (apply_factor, apply_step, factor_parts, first_scale, power_of_two_scale, square_form,
-                            step_matrix)
+from .newton_schulz import (LARGEST_CAP, NORM_CAP, apply_factor, apply_step, factor_parts, first_scale,
+                            power_of_two_scale, square_form, step_matrix)
 from .precision import (einsum, first_step_parts, matmul, products, restarts as policy_restarts,
                         uses_gram)
 from .presets import GRAM_ASPECT, gram_restarts, resolve_coeffs, resolve_options, resolve_steps
@@ -141,12 +141,12 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
   # largest magnitude (|x e| < 4: no square overflows), then below the Frobenius norm, read from
   # the trace of the first Gram matrix (the Gram iteration's G: in chunks), scaled alike. The
   # first step's scale is folded in (first_scale).
-  e = power_of_two_scale(jax.lax.pmax(jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True), axes), 126)
+  e = power_of_two_scale(jax.lax.pmax(jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True), axes), LARGEST_CAP)
   X = (xf * e).astype(dtype)
   prec = it.get("prec")
   gram_f = lambda X, t=None, of=gram_of: jax.lax.psum(of(X, False, t, prec), axes)
   A = gram_f(X, jnp.float32, gram_in_chunks if it["gram"] else gram_of)
-  f = power_of_two_scale(jnp.sqrt(jnp.trace(A, axis1=-2, axis2=-1))[..., None, None], 1)
+  f = power_of_two_scale(jnp.sqrt(jnp.trace(A, axis1=-2, axis2=-1))[..., None, None], NORM_CAP)
   X = (xf * e * f).astype(dtype)  # one rounding, as newton_schulz's
   A = A * (f * f)
   inv = 1.0 / first_scale(A, it["schatten4"], it["norm_scale"], eps * e * f)
