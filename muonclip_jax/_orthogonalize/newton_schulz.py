@@ -190,7 +190,8 @@ def newton_schulz(
 
 
 # power_of_two_scale's caps (its hi): below the largest magnitude, then below the norm after it
-LARGEST_CAP, NORM_CAP = 126, 1
+LARGEST_CAP = 126
+NORM_CAP = 1
 
 
 def power_of_two_scale(v: jax.Array, hi: int) -> jax.Array:
