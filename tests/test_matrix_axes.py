@@ -53,6 +53,16 @@ def test_bad_spec_leaf_names_its_path():
     matrix_axes_lookup({"w": "rows"}, {"w": jnp.zeros((2, 2))})
 
 
+def test_matrix_axes_take_one_int_as_one_axis_and_refuse_other_axes():
+  """As ``optax.contrib.MuonDimensionNumbers`` does, one int is one axis; anything else that is not a
+  tuple (or list) of ints is a TypeError naming the field."""
+  assert mc.MatrixAxes(1, 2) == mc.MatrixAxes((1,), (2,)) == mc.MatrixAxes([1], [2])
+  assert mc.MatrixAxes(np.int64(-2), (-1,)).fan_in == (-2,)
+  for bad in (1.0, True, "0", (0, 1.5), None):
+    with pytest.raises(TypeError, match=r"MatrixAxes: fan_out must be an axis \(an int\) or a tuple of them, got fan_out="):
+      mc.MatrixAxes(0, bad)
+
+
 @pytest.mark.parametrize("names, shape, want", [
     (("embed", "heads", "kv"), (16, 4, 8), ((0,), (1, 2))),
     (("heads", "kv", "embed"), (4, 8, 16), ((0, 1), (2,))),

@@ -41,8 +41,7 @@ def as_matrix_axes(spec: Any, where: str = "matrix_axes") -> MatrixAxes | None:
   if spec is None or isinstance(spec, MatrixAxes):
     return spec
   if _is_dim_numbers(spec):
-    as_tuple = lambda a: (a,) if isinstance(a, int) else tuple(a)  # noqa: E731
-    return MatrixAxes(as_tuple(spec.reduction_axis), as_tuple(spec.output_axis))
+    return MatrixAxes(spec.reduction_axis, spec.output_axis)
   raise ValueError(f"{where}: expected a MatrixAxes, an optax.contrib.MuonDimensionNumbers or None, got {spec!r}")
 
 

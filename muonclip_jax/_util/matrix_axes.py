@@ -40,8 +40,8 @@ class MatrixAxes:
   name, ``_muon.fused_mlp``); ``fused=(axis, 1)`` keeps it one matrix.
 
   Attributes:
-    fan_in: axes that form the rows.
-    fan_out: axes that form the columns.
+    fan_in: axes that form the rows (a tuple of ints, or one int).
+    fan_out: axes that form the columns (a tuple of ints, or one int).
     fused: ``(axis, n)``: ``axis`` holds ``n`` equal parts, each a matrix; None: one matrix.
 
   Example:
@@ -63,14 +63,13 @@ class MatrixAxes:
   fused: tuple[int, int] | None = None
 
   def __post_init__(self):
-    object.__setattr__(self, "fan_in", tuple(int(a) for a in self.fan_in))
-    object.__setattr__(self, "fan_out", tuple(int(a) for a in self.fan_out))
+    for name in ("fan_in", "fan_out"):
+      object.__setattr__(self, name, _axes(name, getattr(self, name)))
     if not self.fan_in or not self.fan_out:
       raise ValueError(f"MatrixAxes needs at least one fan_in and one fan_out axis, got {self}")
     if self.fused is not None:
       fused = tuple(self.fused)
-      if (len(fused) != 2 or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in fused)
-          or fused[1] < 1):
+      if len(fused) != 2 or not all(_is_int(v) for v in fused) or fused[1] < 1:
         raise ValueError(f"MatrixAxes: fused must be (axis, n), two ints, n >= 1 parts, got fused={self.fused!r}")
       object.__setattr__(self, "fused", (int(fused[0]), int(fused[1])))
 
@@ -105,6 +104,19 @@ class MatrixAxes:
       raise ValueError(f"{path}: {self} repeats an axis of shape {shape}")
     batch = tuple(a for a in range(nd) if a not in fi + fo)
     return batch, fi, fo
+
+
+def _is_int(v: Any) -> bool:
+  return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _axes(name: str, value: Any) -> tuple[int, ...]:
+  """``value`` (an axis, or a sequence of them, as ``optax.contrib.MuonDimensionNumbers`` takes
+  them) as a tuple of ints; TypeError naming ``name`` for anything else."""
+  axes = (value,) if _is_int(value) else tuple(value) if isinstance(value, (tuple, list)) else None
+  if axes is None or not all(_is_int(a) for a in axes):
+    raise TypeError(f"MatrixAxes: {name} must be an axis (an int) or a tuple of them, got {name}={value!r}")
+  return tuple(int(a) for a in axes)
 
 
 MatrixAxesSpec = MatrixAxes | Any | Callable[[Any], Any] | None
