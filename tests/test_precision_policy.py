@@ -96,6 +96,28 @@ def test_no_product_depends_on_the_global_matmul_precision():
       assert len(traced) == 1, (i, backend)
 
 
+def test_the_update_lowers_for_the_accelerators_platforms(monkeypatch):
+  """The default update, traced as on a GPU (a TPU), lowers to StableHLO for CUDA (TPU): the
+  target's own lowering rules, which the CPU never runs. On CUDA every ``dot_general`` takes two
+  float16 operands; on both, every one runs at ``DEFAULT`` (TPU: the standard iteration in one
+  pass). A dot that names no precision lowers as ``DEFAULT`` too: that it names one is
+  ``test_no_product_depends_on_the_global_matmul_precision``'s check."""
+  import re
+  grads = {"wide": jnp.ones((16, 48)), "square": jnp.ones((16, 16)), "stack": jnp.ones((2, 16, 40))}
+  for backend, platform in (("gpu", "cuda"), ("tpu", "tpu")):
+    monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+    for compute in (None, jnp.bfloat16):
+      opt = mc.muon(1.0, compute_dtype=compute, matrix_axes=_axes)
+      text = jax.jit(lambda t, o=opt: o.update(t, o.init(t), t)).trace(grads).lower(
+          lowering_platforms=(platform,)).as_text()
+      dots = re.findall(r"stablehlo.dot_general .*", text)
+      assert len(dots) >= 9, (platform, compute, len(dots))  # three matrices, three products or more each
+      assert all("precision = [DEFAULT, DEFAULT]" in d for d in dots), (platform, compute)
+      operands = {re.search(r": \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\)", d).groups() for d in dots}
+      if platform == "cuda":
+        assert operands == {("f16", "f16")}, (compute, operands)
+
+
 def test_the_policy_per_backend_and_its_override():
   """CPU: Gram where it saves FLOPs, every product exact; GPU: the same choice, every product on
   float16 operands, the Gram iteration restarted before step 2; TPU: "auto" is the standard iteration
