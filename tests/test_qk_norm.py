@@ -214,3 +214,43 @@ def test_a_qk_norm_is_found_by_what_it_is_whatever_its_gain_is_called(gain):
   with pytest.raises(ValueError, match=r"the layout names the query norm 'q_norm/scale', but .* holds no gain"):
     qk_clip(tunix, ml, qk_clip_threshold=tau,
             layout=GQALayout(H, H, HD, query_norm="q_norm/scale", key_norm="k_norm/scale", **base))
+
+
+class _NamedNormAttention(nn.Module):
+  """Hand-written attention whose query/key norms have the names given (None: Flax's own
+  ``RMSNorm_0``, ``RMSNorm_1``), and an input norm and a value norm, which are no QK-norm."""
+  names: tuple
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.LayerNorm(name="LayerNorm_0")(x)  # over the input's H * HD features
+    q = nn.RMSNorm(name=self.names[0])(nn.DenseGeneral((H, HD), name="query")(x))
+    k = nn.RMSNorm(name=self.names[1])(nn.DenseGeneral((H, HD), name="key")(x))
+    v = nn.RMSNorm(name="v_norm")(nn.DenseGeneral((H, HD), name="value")(x))
+    return nn.DenseGeneral(H * HD, axis=(-2, -1), name="out")(mnn.dot_product_attention(q, k, v))
+
+
+@pytest.mark.parametrize("names", [(None, None), ("q_ln", "k_ln"), ("norm_q", "norm_k"), ("qnorm", "knorm"),
+                                   ("q_rms", "k_rms")])
+def test_a_qk_norm_of_any_norm_like_name_is_refused_undeclared_and_clipped_declared(names):
+  """Not only the usual names: a norm-like sub-module (Flax's own names too) holding a gain of a
+  QK-norm's shape is refused undeclared (the clip would report heads clipped and change no logit);
+  declared, the clip bounds every head by tau. The input norm over ``H * HD`` features and the
+  value's norm are not taken for QK-norms."""
+  model = _NamedNormAttention(names)  # the input norm's gain has a flattened QK-norm's shape, (H * HD,)
+  x = jnp.asarray(np.random.default_rng(2).normal(size=(B, T, H * HD)) * 4, jnp.float32)
+  params = jax.tree.map(lambda a: a * 3.0, model.init(jax.random.key(0), x)["params"])
+  _, state = model.apply({"params": params}, x, mutable=["intermediates"])
+  q, k = names if names[0] else ("RMSNorm_0", "RMSNorm_1")
+  declared = f"query_norm='{q}', key_norm='{k}'" if names[0] else "query_norm=<the query's norm>"
+  with pytest.raises(ValueError, match=rf"^qk_clip: {min(q, k)} looks like a QK-norm .*\['{min(q, k)}', "
+                                       rf"'{max(q, k)}'\]\).*GQALayout\(\.\.\., {declared}"):
+    qk_clip(params, state["intermediates"], qk_clip_threshold=1.0, layout=GQALayout(H, H, HD, query="query", key="key"))
+  s = np.asarray(state["intermediates"]["max_logits"])
+  assert s.shape == (H,), s.shape
+  tau = float(np.median(s))
+  lay = GQALayout(H, H, HD, query="query", key="key", query_norm=q, key_norm=k)
+  _, after = model.apply({"params": qk_clip(params, state["intermediates"], qk_clip_threshold=tau, layout=lay)}, x,
+                         mutable=["intermediates"])
+  after = np.asarray(after["intermediates"]["max_logits"])
+  assert np.any(s > tau) and np.all(after <= tau * (1 + 1e-5)), (s, after, tau)

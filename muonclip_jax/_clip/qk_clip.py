@@ -173,9 +173,9 @@ def qk_clip(params: optax.Params, max_logits: Mapping[str, Any], *, qk_clip_thre
 
   With QK-norm (``GQALayout(query_norm=..., key_norm=...)``) the kernels are left alone and
   the norms' scales (and biases) are scaled instead (per head, or
-  per layer by the smallest gamma where the scale is shared by heads); an undeclared norm
-  of a usual QK-norm name (Flax's ``query_ln``/``key_ln``, ``q_norm``/``k_norm``, ...) is a
-  ValueError, since scaling the kernels would have no effect.
+  per layer by the smallest gamma where the scale is shared by heads); an undeclared norm (a
+  usual QK-norm name, ``query_ln``, ``q_norm``, ..., or a norm-like one with a QK-norm's gain,
+  Flax's ``RMSNorm_0``) is a ValueError, since scaling the kernels would have no effect.
 
   Non-finite maxima: a head whose S_max^h is not finite is left as it is, and reported.
   +inf (the forward pass overflowed; the loss is then usually not finite either) is above
