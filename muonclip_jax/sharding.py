@@ -164,7 +164,7 @@ def param_shardings(params: Any, mesh: Mesh, *, logical_axes: Any = None,
     logical_axes: a pytree with the parameters' paths whose leaves are logical
       ``PartitionSpec``s or tuples of names (e.g. ``nn.get_partition_spec`` of the boxed
       abstract variables; ``examples/mla_lm.logical_axes``). Matched by path; a parameter
-      without an entry is replicated.
+      without an entry is replicated, an entry that names no parameter is a ValueError.
     rules: see ``logical_to_spec``.
 
   Returns:
@@ -199,6 +199,12 @@ def param_shardings(params: Any, mesh: Mesh, *, logical_axes: Any = None,
     except ValueError as e:
       raise ValueError(f"param_shardings: {path_str(path)}: {e}") from None
 
+  paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+  known = set(paths)
+  stray = sorted(k for k, names in table.items() if names and k not in known)
+  if stray:
+    raise ValueError(f"param_shardings: logical_axes names {len(stray)} path(s) that are no parameter (a typo, or "
+                     f"the names of another tree?): {stray[:5]}; the parameters' paths include {paths[:5]}")
   return jax.tree_util.tree_map_with_path(one, params)
 
 

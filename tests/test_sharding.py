@@ -98,6 +98,10 @@ def test_param_shardings_from_boxes_or_logical_axes():
   assert attn["wo"]["kernel"].spec == P(None, "model", "fsdp")
   assert from_names["layers"]["w_gate"]["kernel"].spec == P(None, "fsdp", "model")
   assert from_names["embed"]["embedding"].spec == P("model", "fsdp")
+  stray = {"layers": {"atn": {"wo": {"kernel": ("layers", "heads", "embed")}}}}  # a typo: no such parameter
+  with pytest.raises(ValueError, match=r"logical_axes names 1 path\(s\) that are no parameter .*\['layers/atn/wo/kernel'\]"):
+    sharding.param_shardings(params, mesh, logical_axes=stray)
+  assert sharding.param_shardings(params, mesh, logical_axes={"layers": {"atn": None}})  # None: nothing named
   assert from_names["final_norm"]["scale"].spec == P(None)
 
 
