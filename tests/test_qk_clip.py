@@ -664,6 +664,46 @@ def test_attention_module_without_maxima_raises():
   chex.assert_trees_all_equal(out["l1"], p1)
 
 
+def test_an_additive_bias_counts_in_the_maxima_but_is_not_scaled():
+  """The drop-in attention's maxima include an additive bias ``b`` (the softmax sees it); the clip
+  scales ``q.k`` only, so a clipped head ends at ``tau + b (1 - gamma_h)`` (docs/your-model.md)."""
+  from muonclip_jax import nn as mnn
+
+  class Attn(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      q, k, v = (nn.DenseGeneral((2, 4), name=n)(x) for n in ("query", "key", "value"))
+      return mnn.dot_product_attention(q, k, v, bias=jnp.full((1, 2, 5, 5), 1.5))
+
+  x = 2.0 * jax.random.normal(jax.random.key(0), (2, 5, 8))
+  params = Attn().init(jax.random.key(1), x)["params"]
+  maxima = lambda p: np.asarray(Attn().apply({"params": p}, x, mutable=["intermediates"])[1][  # noqa: E731
+      "intermediates"]["max_logits"], np.float64)
+  s, tau = maxima(params), 2.5
+  assert np.all(s > tau), s
+  after = maxima(qk_clip(params, {"max_logits": s}, qk_clip_threshold=tau,
+                        layout=GQALayout(2, 2, 4, query="query", key="key")))
+  np.testing.assert_allclose(after, tau + 1.5 * (1 - tau / s), rtol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["dotted", "tuple", "slash"])
+def test_flat_keyed_maxima_and_params_clip_as_their_nested_form(form):
+  """Maxima flattened as the parameters may be (safetensors' dotted keys, ``flatten_dict``'s tuples,
+  ``/``-joined keys) are read by their components, as the parameters' keys are."""
+  from flax import traverse_util
+  lay = GQALayout(4, 2, 2)
+  params, _ = _gqa_case(0, lay)
+  ml = {"attn": {"max_logits": np.array([9.0, 1.0, 4.0, 1.0], np.float32)}}
+  flat = lambda tree: {{"dotted": ".".join(k), "slash": "/".join(k)}.get(form, k): v  # noqa: E731
+                       for k, v in traverse_util.flatten_dict(tree).items()}
+  got = qk_clip(flat(params), flat(ml), qk_clip_threshold=3.0, layout=lay)
+  want = flat(qk_clip(params, ml, qk_clip_threshold=3.0, layout=lay))
+  assert got.keys() == want.keys()
+  assert_same_math(got, want)
+  wq = next(k for k in got if "wq" in str(k) and "kernel" in str(k))
+  assert not np.allclose(got[wq], flat(params)[wq])  # head 0 is clipped
+
+
 def test_root_module():
   lay = GQALayout(2, 2, 2)
   params, _ = _gqa_case(0, lay)

@@ -54,7 +54,9 @@ def collect_max_logits(max_logits: Any, caller: str = "qk_clip", *, required: bo
 
   Accepts the bare ``intermediates`` collection or ``{"intermediates": ...}`` (the mutable
   state of ``apply``), leaves wrapped in a tuple (Flax's default ``sow``; several entries are
-  merged by maximum) and NNX ``Intermediate`` boxes (trailing ``value`` key).
+  merged by maximum), NNX ``Intermediate`` boxes (trailing ``value`` key) and flat dicts
+  keyed as flat parameters may be (``"attn.max_logits"``, ``("attn", "max_logits")``,
+  ``"attn/max_logits"``: ``keystr``).
 
   With ``required=False`` a tree without any ``max_logits`` leaf (``None``, ``{}``) gives
   ``{}`` (a train step whose optimizer does not clip).
@@ -70,13 +72,13 @@ def collect_max_logits(max_logits: Any, caller: str = "qk_clip", *, required: bo
     max_logits = max_logits[INTERMEDIATES]
   found: dict[str, list[jax.Array]] = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(max_logits)[0]:
-    names = [key_name(k) for k in path]
+    names = keystr(path).split("/")  # flat dicts' keys too: "attn/max_logits", "attn.max_logits", tuples
     if MAX_LOGITS not in names:
       continue
     i = len(names) - 1 - names[::-1].index(MAX_LOGITS)
-    if any(not (isinstance(n, int) or n == "value") for n in names[i + 1 :]):
+    if any(not (n.isdigit() or n == "value") for n in names[i + 1 :]):
       raise ValueError(
-          f"{caller}: unexpected structure under {keystr(path[: i + 1])!r}: {keystr(path)!r}; "
+          f"{caller}: unexpected structure under {'/'.join(names[: i + 1])!r}: {keystr(path)!r}; "
           "expected an array, a tuple of arrays or an NNX Intermediate"
       )
     if INTERMEDIATES in names[:i]:
@@ -85,7 +87,7 @@ def collect_max_logits(max_logits: Any, caller: str = "qk_clip", *, required: bo
           f"{INTERMEDIATES!r} key; pass the 'intermediates' collection itself (or "
           "{'intermediates': ...}), whose paths are the attention modules' paths"
       )
-    found.setdefault(keystr(path[:i]), []).append(jnp.asarray(leaf))
+    found.setdefault("/".join(names[:i]), []).append(jnp.asarray(leaf))
   if not found:
     if not required:
       return {}
