@@ -153,6 +153,10 @@ def test_undeclared_rank3_gives_both_hints():
   assert "stack of 64 layers (nn.scan) of 4x16 matrices: MatrixAxes((-2,), (-1,))" in msg
   assert "one DenseGeneral kernel (in, heads, head_dim): MatrixAxes((0,), (1, 2)) is one 64 x 64 matrix" in msg
   assert "attention_matrix_axes(layout)" in msg
+  wrong = mc.GQALayout(4, 4, 16, query="q_proj", key="k_proj")  # Llama's names on Flax's attention
+  with pytest.raises(ValueError, match=r"attn/query/kernel: Muon needs .*Note: the layout matched no attention "
+                                       r"module .*GQALayout\(num_heads=4.*query='q_proj'"):
+    mc.scale_by_muon(layout=wrong).init({"attn": {"query": {"kernel": jnp.zeros((64, 4, 16))}}})
 
 
 def test_attention_matrix_axes_for_every_form():

@@ -227,6 +227,15 @@ def muon_blocks_lookup(matrix_axes: MatrixAxesSpec, layout: Any, mode: str, tree
   if layout is None:
     return base
   table = layout_blocks(tree, layout, mode, f"{caller}: layout (muon_blocks={mode!r})")
+  if not table:  # the layout names projections no module holds: say so beside any error of a leaf's
+    def unmatched(path: str, shape: tuple[int, ...]) -> Blocks:
+      try:
+        return base(path, shape)
+      except ValueError as e:
+        raise ValueError(f"{e}. Note: the layout matched no attention module (none holds the query/key "
+                         f"projections it names; Flax's attention modules name them 'query', 'key'): "
+                         f"{layout!r}") from None
+    return unmatched
   explicit = set()
   if not _is_spec_leaf(spec):
     explicit = {path_str(p) for p, leaf in jax.tree_util.tree_flatten_with_path(spec, is_leaf=_is_spec_leaf)[0]
