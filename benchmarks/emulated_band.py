@@ -6,6 +6,7 @@
   python benchmarks/emulated_band.py --large    # the GPU policy's band on 2048x8192
   python benchmarks/emulated_band.py --more     # 15 other inputs on 11 other shapes (~10 min)
   python benchmarks/emulated_band.py --small    # spectra ending just above the cutoff, sides 4 to 32
+  python benchmarks/emulated_band.py --clusters # a flat tail just above the cutoff, sides 8 to 768
 
 For each emulated backend (``tests/_emulated_backend.py``: float32 dots that name no
 precision get bf16 operands on "tpu", TF32 on "gpu", exact float32 on "cpu"), each
@@ -36,6 +37,11 @@ and 4e-3 of the largest, and condition 1e6), of float32 values and of bfloat16 v
 bfloat16 compute's rounding of the input (about 2^-9 of its entries; none for bfloat16 values,
 which ``newton_schulz`` scales by powers of two only) is of the size of the smallest singular
 value measured.
+
+``--clusters`` runs it on ``CLUSTER_SHAPES`` (sides 8 to 768), 20 draws each of float32
+spectra with one or four singular values at 1 and the rest at 3.02e-3 or 3.1e-3 of the norm
+(``cluster_kinds``), 1.007 and 1.03 times the cutoff: where the 8-bit rounding of a float32 input
+(a TPU's one pass, bfloat16 compute) moves them below it, most on the smallest matrices.
 
 ``--flops`` prints instead the GPU policy's matmul FLOPs, traced (no arrays) on the
 shapes (4096x16384, 4096x4096, a 64x2048x7168 expert stack) as if on a GPU, against
@@ -173,6 +179,23 @@ def small_kinds(m: int, n: int, rng: np.random.Generator) -> dict[str, np.ndarra
   return out
 
 
+CLUSTER_SHAPES = ((8, 8), (16, 16), (24, 24), (32, 32), (48, 48), (64, 64), (96, 96), (128, 128), (16, 256),
+                  (64, 768))
+
+
+def cluster_kinds(m: int, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+  """``--clusters``' inputs of one ``m x n`` shape (module docstring): 20 draws of each kind."""
+  k, out = min(m, n), {}
+  for draw in range(20):
+    u, _ = np.linalg.qr(rng.standard_normal((m, k)))
+    v, _ = np.linalg.qr(rng.standard_normal((n, k)))
+    for top in (1, 4):
+      for rel in (3.02e-3, 3.1e-3):  # of the Frobenius norm, with the top ones at 1
+        small = rel * np.sqrt(top / (1 - (k - top) * rel**2))
+        out[f"{top} at 1, the rest at {rel:g} #{draw}"] = (u * np.array([1.0] * top + [small] * (k - top))) @ v.T
+  return out
+
+
 def more(shapes=MORE_SHAPES, kinds=more_kinds, what="other inputs and shapes") -> None:
   """The ``--more`` sweep (module docstring); ``--small``'s with its shapes and kinds."""
   print(f"JAX {jax.__version__}, emulated backends; {what}\n")
@@ -218,11 +241,15 @@ def main() -> None:
   parser.add_argument("--large", action="store_true", help="the GPU policy's band on 2048x8192 instead")
   parser.add_argument("--more", action="store_true", help="other inputs and shapes instead (~10 min)")
   parser.add_argument("--small", action="store_true", help="small matrices, spectra ending just above the cutoff")
+  parser.add_argument("--clusters", action="store_true",
+                      help="sides 8 to 768, one or four large singular values and the rest just above the cutoff")
   args = parser.parse_args()
   if args.more:
     return more()
   if args.small:
     return more(SMALL_SHAPES, small_kinds, "small matrices, spectra ending just above the cutoff")
+  if args.clusters:
+    return more(CLUSTER_SHAPES, cluster_kinds, "a flat tail of singular values just above the cutoff")
   if args.flops:
     return flops()
   if args.large:

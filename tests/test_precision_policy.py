@@ -99,23 +99,27 @@ def test_no_product_depends_on_the_global_matmul_precision():
 def test_the_update_lowers_for_the_accelerators_platforms(monkeypatch):
   """The default update, traced as on a GPU (a TPU), lowers to StableHLO for CUDA (TPU): the
   target's own lowering rules, which the CPU never runs. On CUDA every ``dot_general`` takes two
-  float16 operands; on both, every one runs at ``DEFAULT`` (TPU: the standard iteration in one
-  pass). A dot that names no precision lowers as ``DEFAULT`` too: that it names one is
-  ``test_no_product_depends_on_the_global_matmul_precision``'s check."""
+  float16 operands; on the TPU every one runs at ``DEFAULT`` (the standard iteration in one pass)
+  but a small matrix's (at most ``SMALL_ENTRIES``), at ``HIGHEST``. (A dot that names no
+  precision lowers as ``DEFAULT`` too: that every one names it is
+  ``test_no_product_depends_on_the_global_matmul_precision``'s check.)"""
   import re
-  grads = {"wide": jnp.ones((16, 48)), "square": jnp.ones((16, 16)), "stack": jnp.ones((2, 16, 40))}
+  large = {"wide": jnp.ones((64, 160)), "square": jnp.ones((72, 72)), "stack": jnp.ones((2, 64, 96))}
+  small = {"small": jnp.ones((16, 48))}
   for backend, platform in (("gpu", "cuda"), ("tpu", "tpu")):
     monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
     for compute in (None, jnp.bfloat16):
       opt = mc.muon(1.0, compute_dtype=compute, matrix_axes=_axes)
-      text = jax.jit(lambda t, o=opt: o.update(t, o.init(t), t)).trace(grads).lower(
-          lowering_platforms=(platform,)).as_text()
-      dots = re.findall(r"stablehlo.dot_general .*", text)
-      assert len(dots) >= 9, (platform, compute, len(dots))  # three matrices, three products or more each
-      assert all("precision = [DEFAULT, DEFAULT]" in d for d in dots), (platform, compute)
-      operands = {re.search(r": \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\)", d).groups() for d in dots}
-      if platform == "cuda":
-        assert operands == {("f16", "f16")}, (compute, operands)
+      for grads, tpu_precision in ((large, "DEFAULT"), (small, "HIGHEST")):
+        text = jax.jit(lambda t, o=opt: o.update(t, o.init(t), t)).trace(grads).lower(
+            lowering_platforms=(platform,)).as_text()
+        dots = re.findall(r"stablehlo.dot_general .*", text)
+        assert len(dots) >= 3 * len(grads), (platform, compute, len(dots))  # three products or more a matrix
+        operands = {re.search(r": \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\)", d).groups() for d in dots}
+        if platform == "cuda":
+          assert operands == {("f16", "f16")}, (compute, operands)
+        else:
+          assert all(f"precision = [{tpu_precision}, {tpu_precision}]" in d for d in dots), (compute, tpu_precision)
 
 
 def test_the_policy_per_backend_and_its_override():
@@ -127,14 +131,15 @@ def test_the_policy_per_backend_and_its_override():
                                                  ("tpu", False, default, highest)):
     with emulate(backend):
       assert precision.uses_gram("auto", 64, 256, None, 2) is gram
-      assert precision.products(None, False) == standard and precision.products(None, True) == gram_products
+      assert precision.products(None, False, 64, 256) == standard
+      assert precision.products(None, True, 64, 256) == gram_products
       assert precision.uses_gram("auto", 64, 256, "highest", 2) and precision.uses_gram("auto", 64, 256, "float16", 2)
       assert not precision.uses_gram("auto", 64, 256, "default", 2)
       assert ns_flops((64, 256), steps=4, method="auto") == ns_flops(
           (64, 256), steps=4, method="gram" if gram else "standard")
   # the restart is counted where it runs: float16 Gram products, more than 2 steps, none given
   assert precision.restarts((), (), 4, f16) == (2,) and precision.restarts((), (), 2, f16) == ()
-  assert precision.restarts((), (), 5, f16) == (2, 4) and precision.restarts((3,), (), 4, f16) == (3,)
+  assert precision.restarts((), (), 5, f16) == (2, 4) and precision.restarts((3,), (), 4, f16) == (2, 3)
   assert precision.restarts((), (), 4, highest) == () and precision.restarts((), (5,), 10, highest) == (5,)
   assert precision.restarts((), (5,), 10, f16) == (2, 4, 5, 6, 8)
   # exact products: one every 5 steps past the presets' counts (DeepSeek-V4's own is the same)
@@ -155,7 +160,7 @@ def test_the_policy_per_backend_and_its_override():
       traced = sum(f for _, f, _ in products(jax.make_jaxpr(lambda x: mc.newton_schulz(
           x, steps=4, method="gram", precision=pol, compute_dtype=compute))(jnp.ones((64, 256))).jaxpr))
     counted = ns_flops((64, 256), steps=4, method="gram", precision=pol, compute_dtype=compute)
-    restarted = len(precision.restarts((), (), 4, precision.products(pol, True)))
+    restarted = len(precision.restarts((), (), 4, precision.products(pol, True, 64, 256)))
     assert traced == counted == ns_flops((64, 256), steps=4, method="gram", precision=pol) + (parts - 1) * (
         1 + restarted) * 2 * 64 * 64 * 256, (pol, compute, traced, counted)
   x = jnp.asarray(make_input("cond_1e6", (64, 256)))
@@ -189,6 +194,19 @@ def test_without_its_restart_the_float16_gram_iteration_leaves_the_band(monkeypa
   monkeypatch.setattr(ns_module, "policy_restarts", lambda given, own, steps, prec: given or own)
   jax.clear_caches()
   assert top() > 1.25
+
+
+def test_restarts_a_caller_asks_for_add_to_the_policys():
+  """``restarts`` adds restarts, never removes those the products need: DeepSeek-V4's own restart
+  spelled out (``restarts=(5,)``) on float16 products was NaN when it replaced the policy's every two
+  steps. Now it is the same iteration as without it, and an extra restart (3) keeps the others."""
+  assert precision.restarts((3,), (5,), 10, precision.FLOAT16) == (2, 3, 4, 5, 6, 8)
+  assert precision.restarts((3,), (), 12, jax.lax.Precision.HIGHEST) == (3, 5, 10)
+  x = jnp.asarray(make_input("cond_1e6", (64, 256)))
+  ns = lambda **kw: mc.newton_schulz(x, steps=None, coeffs="deepseek_v4", method="gram", precision="float16", **kw)  # noqa: E731
+  got, want = band(ns(restarts=(5,)), x), band(ns(), x)
+  assert abs(got.top - want.top) <= 1e-3 and abs(got.low - want.low) <= 1e-3, (got, want)
+  assert 0.99 <= got.low and got.top <= 1.01, got
 
 
 def test_a_float32_gram_iteration_longer_than_its_preset_keeps_its_band():
@@ -344,3 +362,24 @@ def test_small_gradients_of_bfloat16_values_keep_the_band():
       updates, _ = jax.jit(opt.update)(g, opt.init(g), g)
     got = band(-updates.astype(jnp.float32), g.astype(jnp.float32), scale=moonlight_scale(g.shape))
     assert got.top <= 1.25 and 0.70 <= got.low and got.high <= 1.25, (backend, got)
+
+
+def test_small_matrices_of_float32_values_keep_the_band_on_a_tpu():
+  """A float32 gradient whose spectrum is one large singular value and the rest at 1.007 times
+  the cutoff (3.02e-3 of the norm), float32 compute: rounded to 8 bits in one TPU pass, an 8x8
+  matrix's small singular values fell below the cutoff (lowest response 0.572 on this stack of 40).
+  A matrix of at most ``SMALL_ENTRIES`` entries multiplies at ``HIGHEST`` there."""
+  import numpy as np
+  for m in (8, 16):
+    rng = np.random.default_rng([7, m])
+    small = 3.02e-3 / np.sqrt(1 - (m - 1) * 3.02e-3**2)  # of the norm, with the top one at 1
+    mats = []
+    for _ in range(40):
+      u, v = (np.linalg.qr(rng.standard_normal((m, m)))[0] for _ in range(2))
+      mats.append((u * np.array([1.0] + [small] * (m - 1))) @ v.T)
+    g = jnp.asarray(np.stack(mats), jnp.float32)
+    opt = mc.muon(1.0, weight_decay=0.0, beta=0.0, matrix_axes=STACK)
+    with emulate("tpu"):
+      updates, _ = jax.jit(opt.update)(g, opt.init(g), g)
+    got = band(-updates, g, scale=moonlight_scale(g.shape))
+    assert got.top <= 1.25 and 0.70 <= got.low and got.high <= 1.25, (m, got)

@@ -108,17 +108,18 @@ def newton_schulz(
       for the preset's choice (``"schatten4"`` for ``"polar_express_4"``, else Frobenius).
     restarts: Gram iteration only (``"gram"``, or ``"auto"`` where it picks it; refused with
       ``"standard"``): step indices (in ``[1, steps - 1]``) before which the Gram matrix is
-      re-formed from the current iterate. Empty: the preset's own (``"deepseek_v4"``
-      restarts before step 5) and one every 5 steps, before steps 5, 10, ... (every 2 under
-      the ``"float16"`` policy): none at the presets' own step counts, where float32 holds the
-      band (tested up to condition number 1e6), as bfloat16 compute does (see ``compute_dtype``);
-      more steps without them leave it (``_orthogonalize/precision.py``).
+      re-formed from the current iterate, in addition to those it always makes: the preset's
+      own (``"deepseek_v4"`` restarts before step 5) and one every 5 steps, before steps 5,
+      10, ... (every 2 under the ``"float16"`` policy): none at the presets' own step counts,
+      where float32 holds the band (tested up to condition number 1e6), as bfloat16 compute
+      does (see ``compute_dtype``); more steps without them leave it
+      (``_orthogonalize/precision.py``).
     precision: the precision policy of the products (``_orthogonalize.precision``): None (the
       default) for the backend's, read from ``jax.default_backend()`` when traced: on the CPU
       ``"highest"`` (every product exact float32, ``"auto"`` as above); on GPUs
       ``"float16"`` (``"auto"`` as above; every product on float16 operands, the iterate
       scaled by a power of two into float16's range, accumulated in float32; a Gram iteration
-      restarts every 2 steps unless ``restarts`` says otherwise); on TPUs ``"default"``
+      restarts every 2 steps, whatever ``restarts`` adds); on TPUs ``"default"``
       (``"auto"`` runs ``"standard"``, whose products run at the one-pass bfloat16 rate and
       hold the band there; a ``"gram"`` iteration keeps exact float32 products, since 8-bit
       mantissas leave its band). No product depends on ``jax_default_matmul_precision``.
@@ -171,7 +172,7 @@ def newton_schulz(
   tall = x.shape[-2] > x.shape[-1]  # then A = X^T X and X <- a X + X B^T, no transposes
   m, n = min(x.shape[-2:]), max(x.shape[-2:])
   gram = uses_gram(method, m, n, precision, GRAM_ASPECT)
-  prec = products(precision, gram)
+  prec = products(precision, gram, m, n)
   xf = x.astype(jnp.float32)
   # x 2^-e 2^-k, exact before the cast (power_of_two_scale), with ||X||_F in [1/2, 1): the norm's
   # scale, norm_scale * ||X|| + eps 2^-e 2^-k, is folded into the first step (first_scale).
@@ -245,10 +246,10 @@ def ns_flops(shape: tuple[int, ...], *, steps: int | None = 5, coeffs: Any = "mu
   mmn, mmm = 2 * m * m * n, 2 * m**3
   if not gram:
     total = steps * (sym * mmn + sym * mmm + mmn)
-    if first_step_parts(products(precision, False), compute_dtype or jnp.float32) is not None:
+    if first_step_parts(products(precision, False, m, n), compute_dtype or jnp.float32) is not None:
       total += mmn
   else:
-    prec = products(precision, gram)
+    prec = products(precision, gram, m, n)
     restarts = policy_restarts(restarts, gram_restarts(coeffs, steps, ()), steps, prec)
     factor = 2 * mmn if factor_parts(prec, compute_dtype or jnp.float32) else mmn  # Q X_0: apply_factor
     total = sym * mmn + factor + len(restarts) * (factor + sym * mmn)

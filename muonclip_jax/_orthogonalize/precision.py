@@ -51,7 +51,10 @@ entries (measured: the band on 2048x8192 Gaussian and condition-1e6 inputs as in
 ``precision=None`` takes ``"highest"`` on the CPU (where every float32 product is exact float32
 anyway, so this is today's arithmetic, bit for bit), ``"float16"`` on GPUs and ``"default"`` on
 TPUs (whose matrix units take bfloat16, not float16: the standard iteration at the one-pass
-rate, in band; a Gram iteration asked for by name keeps exact float32 products).
+rate, in band; a Gram iteration asked for by name keeps exact float32 products). Under
+``"default"`` a matrix of at most ``SMALL_ENTRIES`` (64 x 64) entries multiplies at ``HIGHEST``:
+rounded to 8 bits, a small matrix's singular values just above the band's cutoff fall below it,
+and its products cost nothing beside a model's large ones.
 ``jax.default_backend()`` is called on the ``jax`` module when the update is traced.
 """
 
@@ -88,12 +91,20 @@ def uses_gram(method: str, m: int, n: int, precision: str | None, aspect: int) -
   return method == "auto" and chosen != "default" and n >= aspect * m
 
 
-def products(precision: str | None, gram: bool) -> Any:
-  """The products of one iteration: a ``jax.lax.Precision``, or ``FLOAT16`` (module docstring)."""
+# Matrices of at most this many entries (64 x 64) multiply at HIGHEST under "default": one pass rounds
+# their input to 8 bits, moving each entry by up to 2^-9 of itself, which on a small matrix moves
+# singular values just above polar_express_4's cutoff below it (`benchmarks/emulated_band.py
+# --clusters`, benchmarks/RESULTS.md). Their products cost nothing beside a model's large matrices.
+SMALL_ENTRIES = 4096
+
+
+def products(precision: str | None, gram: bool, m: int, n: int) -> Any:
+  """The products of one iteration on ``m x n`` matrices: a ``jax.lax.Precision``, or ``FLOAT16``
+  (module docstring; ``SMALL_ENTRIES``)."""
   chosen = policy(precision)
   if chosen == "float16":
     return FLOAT16
-  if chosen == "highest" or gram:
+  if chosen == "highest" or gram or m * n <= SMALL_ENTRIES:
     return jax.lax.Precision.HIGHEST
   return jax.lax.Precision.DEFAULT
 
@@ -133,14 +144,14 @@ RESTART_EVERY, RESTART_EVERY_FLOAT16 = 5, 2
 
 
 def restarts(given: tuple[int, ...], own: tuple[int, ...], steps: Any, prec: Any) -> tuple[int, ...]:
-  """A Gram iteration's restarts: ``given`` (the caller's), else the preset's ``own`` and one
-  every ``RESTART_EVERY`` steps (``RESTART_EVERY_FLOAT16`` for float16 products) below ``steps``:
-  before steps 5, 10, ... (2, 4, ...). The presets' own step counts need none in float32."""
-  if given:
-    return given
+  """A Gram iteration's restarts: ``given`` (the caller's), the preset's ``own`` and one every
+  ``RESTART_EVERY`` steps (``RESTART_EVERY_FLOAT16`` for float16 products) below ``steps``:
+  before steps 5, 10, ... (2, 4, ...). The presets' own step counts need none in float32.
+  The caller's restarts add to the others, never replace them: without its own, DeepSeek-V4's
+  Gram iteration on float16 products gave NaN (``ns_restarts=(5,)``, condition 1e6)."""
   every = RESTART_EVERY_FLOAT16 if prec == FLOAT16 else RESTART_EVERY
   top = steps if isinstance(steps, int) else TRACED_STEPS
-  return tuple(sorted({*range(every, top, every), *own}))
+  return tuple(sorted({*given, *range(every, top, every), *own}))
 
 
 def iterate_scale(x: Any, prec: Any) -> float:

@@ -55,7 +55,7 @@ def resolve(ns_kwargs: dict, m: int, n: int) -> dict | None:
   normalize, restarts = resolve_options(coeffs, steps, method, ns_kwargs.get("normalize"),
                                             ns_kwargs.get("restarts", ()))
   gram = uses_gram(method, m, n, ns_kwargs.get("precision"), GRAM_ASPECT)
-  prec = products(ns_kwargs.get("precision"), gram)
+  prec = products(ns_kwargs.get("precision"), gram, m, n)
   if restarts or (gram and policy_restarts((), gram_restarts(coeffs, steps, ()), steps, prec)):
     return None
   return dict(steps=steps, table=table, norm_scale=norm_scale, schatten4=normalize == "schatten4", gram=gram,
