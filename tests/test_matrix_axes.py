@@ -58,9 +58,13 @@ def test_matrix_axes_take_one_int_as_one_axis_and_refuse_other_axes():
   tuple (or list) of ints is a TypeError naming the field."""
   assert mc.MatrixAxes(1, 2) == mc.MatrixAxes((1,), (2,)) == mc.MatrixAxes([1], [2])
   assert mc.MatrixAxes(np.int64(-2), (-1,)).fan_in == (-2,)
-  for bad in (1.0, True, "0", (0, 1.5), None):
+  assert mc.MatrixAxes(range(1), np.array([1, 2])) == mc.MatrixAxes((0,), (1, 2))
+  for bad in (1.0, True, "0", (0, 1.5), None, {1: 2}):
     with pytest.raises(TypeError, match=r"MatrixAxes: fan_out must be an axis \(an int\) or a tuple of them, got fan_out="):
       mc.MatrixAxes(0, bad)
+  with pytest.raises(TypeError, match=r"matrix_axes: leaf at w: MuonDimensionNumbers\(reduction_axis=0, output_axis=1.5\) "
+                                      r"\(reduction_axis: fan_in, output_axis: fan_out\): MatrixAxes: fan_out must be"):
+    matrix_axes_lookup({"w": MDN(0, 1.5)}, {"w": jnp.zeros((2, 2))})("w", (2, 2))
 
 
 @pytest.mark.parametrize("names, shape, want", [

@@ -100,9 +100,9 @@ def test_the_update_lowers_for_the_accelerators_platforms(monkeypatch):
   """The default update, traced as on a GPU (a TPU), lowers to StableHLO for CUDA (TPU): the
   target's own lowering rules, which the CPU never runs. On CUDA every ``dot_general`` takes two
   float16 operands; on the TPU every one runs at ``DEFAULT`` (the standard iteration in one pass)
-  but a small matrix's (at most ``SMALL_ENTRIES``), at ``HIGHEST``. (A dot that names no
-  precision lowers as ``DEFAULT`` too: that every one names it is
-  ``test_no_product_depends_on_the_global_matmul_precision``'s check.)"""
+  but a small matrix's (at most ``SMALL_ENTRIES``), at ``HIGHEST``. (JAX writes ``DEFAULT`` for a
+  dot that names no precision too, so this cannot show that each names one:
+  ``test_no_product_depends_on_the_global_matmul_precision`` does.)"""
   import re
   large = {"wide": jnp.ones((64, 160)), "square": jnp.ones((72, 72)), "stack": jnp.ones((2, 64, 96))}
   small = {"small": jnp.ones((16, 48))}

@@ -233,19 +233,21 @@ class _NamedNormAttention(nn.Module):
 @pytest.mark.parametrize("names", [(None, None), ("q_ln", "k_ln"), ("norm_q", "norm_k"), ("qnorm", "knorm"),
                                    ("q_rms", "k_rms")])
 def test_a_qk_norm_of_any_norm_like_name_is_refused_undeclared_and_clipped_declared(names):
-  """Not only the usual names: a norm-like sub-module (Flax's own names too) holding a gain of a
-  QK-norm's shape is refused undeclared (the clip would report heads clipped and change no logit);
-  declared, the clip bounds every head by tau. The input norm over ``H * HD`` features and the
-  value's norm are not taken for QK-norms."""
+  """Not only the usual names: a norm-like sub-module whose name says query or key, holding a gain
+  of a QK-norm's shape, is refused undeclared (the clip would report heads clipped and change no
+  logit); under Flax's own names (``RMSNorm_0``), which could as well be a value or output norm, a
+  UserWarning says the same. Declared, the clip bounds every head by tau. The input norm over
+  ``H * HD`` features and the value's norm are not taken for QK-norms."""
   model = _NamedNormAttention(names)  # the input norm's gain has a flattened QK-norm's shape, (H * HD,)
   x = jnp.asarray(np.random.default_rng(2).normal(size=(B, T, H * HD)) * 4, jnp.float32)
   params = jax.tree.map(lambda a: a * 3.0, model.init(jax.random.key(0), x)["params"])
   _, state = model.apply({"params": params}, x, mutable=["intermediates"])
   q, k = names if names[0] else ("RMSNorm_0", "RMSNorm_1")
   declared = f"query_norm='{q}', key_norm='{k}'" if names[0] else "query_norm=<the query's norm>"
-  with pytest.raises(ValueError, match=rf"^qk_clip: {min(q, k)} looks like a QK-norm .*\['{min(q, k)}', "
-                                       rf"'{max(q, k)}'\]\).*GQALayout\(\.\.\., {declared}"):
-    qk_clip(params, state["intermediates"], qk_clip_threshold=1.0, layout=GQALayout(H, H, HD, query="query", key="key"))
+  message = rf"^qk_clip: {min(q, k)} looks like a QK-norm .*\['{min(q, k)}', '{max(q, k)}'\]\).*GQALayout\(\.\.\., {declared}"
+  undeclared = GQALayout(H, H, HD, query="query", key="key")
+  with pytest.raises(ValueError, match=message) if names[0] else pytest.warns(UserWarning, match=message):
+    qk_clip(params, state["intermediates"], qk_clip_threshold=1.0, layout=undeclared)
   s = np.asarray(state["intermediates"]["max_logits"])
   assert s.shape == (H,), s.shape
   tau = float(np.median(s))

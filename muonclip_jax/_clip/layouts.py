@@ -195,9 +195,9 @@ class GQALayout:
   shared by heads; see ``docs/your-model.md`` ("QK-norm") for the reasoning. ``norm_scale_offset``:
   0.0 (default) for norms computing ``x * scale`` (Flax, Qwen3, OLMo 2, Gemma 4), 1.0 for
   ``x * (1 + scale)`` (Gemma 2 and Gemma 3's RMSNorm); the wrong one makes the clip miss
-  tau (Gemma 4 with 1.0 over-clips). A module with an undeclared norm (a usual QK-norm
-  name, or a norm-like name such as Flax's ``RMSNorm_0`` holding a QK-norm's gain) is a
-  ValueError, never a clip with no effect.
+  tau (Gemma 4 with 1.0 over-clips). A module with an undeclared norm of a usual QK-norm
+  name holding a gain is a ValueError (a norm-like name such as Flax's ``RMSNorm_0`` with a
+  QK-norm's gain, a UserWarning), not a clip with no effect.
 
   Each of ``query``, ``key``, ``qkv``, ``value`` and ``out`` may be a ``muonclip_jax.Projection`` that declares
   the kernel's leaf name and axes (Gemma: ``Projection("q_einsum", leaf="w", axes=("heads",

@@ -173,9 +173,9 @@ def qk_clip(params: optax.Params, max_logits: Mapping[str, Any], *, qk_clip_thre
 
   With QK-norm (``GQALayout(query_norm=..., key_norm=...)``) the kernels are left alone and
   the norms' scales (and biases) are scaled instead (per head, or
-  per layer by the smallest gamma where the scale is shared by heads); an undeclared norm (a
-  usual QK-norm name, ``query_ln``, ``q_norm``, ..., or a norm-like one with a QK-norm's gain,
-  Flax's ``RMSNorm_0``) is a ValueError, since scaling the kernels would have no effect.
+  per layer by the smallest gamma where the scale is shared by heads); an undeclared norm with
+  a gain (``query_ln``, ``q_norm``, ...; Flax's ``RMSNorm_0``: a warning) is a ValueError, since
+  scaling the kernels would have no effect.
 
   Non-finite maxima: a head whose S_max^h is not finite is left as it is, and reported.
   +inf (the forward pass overflowed; the loss is then usually not finite either) is above
@@ -273,7 +273,7 @@ def qk_clip(params: optax.Params, max_logits: Mapping[str, Any], *, qk_clip_thre
     found = detect(module, lay, shapes, stack=s.shape[:-1], names=names_under(module, names),
                    typed=names_under(module, typed), raw=names_under(module, raw))
     if isinstance(lay, GQALayout):
-      check_undeclared(module, lay, shapes, "qk_clip")
+      check_undeclared(module, lay, shapes, "qk_clip", s.shape[:-1])
       if lay.query_norm is not None:  # QK-norm: the norms' scales, not the kernels
         scale_norms(module, lay, index, leaves, _gamma(s, tau)[1])
         continue

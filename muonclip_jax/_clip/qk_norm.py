@@ -31,15 +31,18 @@ and Gemma 3's RMSNorm, whose scale starts at 0): the new scale is then c (1 + g)
 wrong offset mis-scales the head: ``1.0`` on Gemma 4's ``x * scale`` with g = 1 and
 ``clip_mode="query"`` turns gamma = 0.75 into the scale 2 * 0.75 - 1 = 0.5, so a head at 8
 with tau 6 ends at 4 instead of 6. A GQA module
-with a norm that its layout does not declare is a ValueError naming the norm: never a clip
-with no effect. Found are a sub-module of a known QK-norm name (``NORM_NAMES``) holding a
-gain, whatever its leaf is called, and a norm-like one (``_norm_like``: Flax's own names
-``RMSNorm_0``, ``LayerNorm_1``, and ``q_ln``, ``norm_q``, ...) whose gain has a QK-norm's shape.
+with a norm that its layout does not declare is a ValueError naming the norm: a sub-module of
+a known QK-norm name (``NORM_NAMES``) holding a gain, whatever its leaf is called, or a
+norm-like one (``_norm_like``: ``q_ln``, ``norm_q``, ...) whose gain has a QK-norm's shape and
+whose name says query or key. A norm-like one of another name (Flax's own ``RMSNorm_0``) with
+such a gain is a UserWarning: it may as well normalize the input, the values or the output. A
+norm without a gain (an L2 norm, ``use_scale=False``) is not seen in the parameters.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping
 
 import jax
@@ -70,22 +73,23 @@ def _words(name: str) -> list[str]:
   return [w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+", name)]
 
 
-def _norm_like(name: str, shape: tuple, lay: GQALayout) -> bool:
+def _norm_like(name: str, shape: tuple, lay: GQALayout, stack: tuple) -> bool:
   """A sub-module whose name says norm (Flax's own names ``RMSNorm_0``, ``LayerNorm_1``; ``q_ln``,
-  ``norm_q``, ``qnorm``, ``q_rms``), not of the value or output, holding a gain of a QK-norm's shape:
-  ``(head_dim,)`` (shared by heads) or ``(heads, head_dim)`` after any leading axes, or, for a name
-  that also says query or key, ``(heads * head_dim,)`` (which an input norm of ``heads * head_dim``
-  features has as well)."""
+  ``norm_q``, ``qnorm``, ``q_rms``), not of the value or output, holding a gain of a QK-norm's shape
+  after the maxima's stacked-layer shape ``stack``: ``(head_dim,)`` (shared by heads) or ``(heads,
+  head_dim)``, or, for a name that also says query or key, ``(heads * head_dim,)`` (which an input
+  norm of ``heads * head_dim`` features has as well)."""
   words = _words(name)
   if not any("norm" in w or w in ("ln", "rms") for w in words):
     return False
   if any(w in ("v", "value", "values", "o", "out", "output", "vnorm", "onorm") for w in words):
     return False
-  per_head = {(lay.head_dim,)} | {(h, lay.head_dim) for h in (lay.num_heads, lay.num_kv_heads)}
-  if any(shape[len(shape) - len(tail):] == tail for tail in per_head if len(tail) <= len(shape)):
+  if tuple(shape[: len(stack)]) != tuple(stack):
+    return False
+  tail, heads = tuple(shape[len(stack):]), (lay.num_heads, lay.num_kv_heads)
+  if tail in {(lay.head_dim,)} | {(h, lay.head_dim) for h in heads}:
     return True
-  qk = _role(name, "q") or _role(name, "k") or "qk" in words
-  return qk and shape[-1:] in {(h * lay.head_dim,) for h in (lay.num_heads, lay.num_kv_heads)}
+  return _says_qk(name) and tail in {(h * lay.head_dim,) for h in heads}
 
 
 def _role(name: str, letter: str) -> bool:
@@ -95,31 +99,43 @@ def _role(name: str, letter: str) -> bool:
   return any(w == letter or w in full or (w[:1] == letter and w[1:] in ("norm", "ln", "rms")) for w in _words(name))
 
 
-def check_undeclared(module: str, lay: GQALayout, shapes: Mapping[str, tuple], caller: str) -> None:
-  """Raises ValueError for a GQA module with a QK-norm its layout does not declare: a sub-module
-  of a usual QK-norm name (``NORM_NAMES``) holding a gain, or one that ``_norm_like`` finds (not
-  one of the layout's projections)."""
+def _says_qk(name: str) -> bool:
+  return _role(name, "q") or _role(name, "k") or "qk" in _words(name)
+
+
+def check_undeclared(module: str, lay: GQALayout, shapes: Mapping[str, tuple], caller: str, stack: tuple) -> None:
+  """For a GQA module whose layout declares no QK-norm: a ValueError for a sub-module of a usual
+  QK-norm name (``NORM_NAMES``) holding a gain, or for a norm-like one (``_norm_like``) whose name
+  says query or key; a UserWarning for a norm-like one of another name (Flax's own ``RMSNorm_0``:
+  a QK-norm, or an input, value or output norm that the parameters cannot tell apart from one).
+  ``stack``: the maxima's stacked-layer shape. Not one of the layout's projections."""
   if lay.query_norm is not None:
     return
-  found = [n for n in NORM_NAMES if gain_key(n, shapes) not in (None, n)]
+  sure = [n for n in NORM_NAMES if gain_key(n, shapes) not in (None, n)]
   declared = (getattr(lay, f) for f in ("query", "key", "qkv", "value", "out"))
   projections = {(p if isinstance(p, str) else p.name).partition("/")[0] for p in declared if p is not None}
+  unsure = []
   for n in dict.fromkeys(k.partition("/")[0] for k in shapes if "/" in k):
     gain = gain_key(n, shapes)
-    if n not in found and n not in projections and gain is not None and _norm_like(n, tuple(shapes[gain]), lay):
-      found.append(n)
-  if found:
-    q = next((n for n in found if _role(n, "q")), None)
-    k = next((n for n in found if _role(n, "k")), None)
-    names = f"{q!r}, key_norm={k!r}" if q and k else "<the query's norm>, key_norm=<the key's norm>"
-    raise ValueError(
-        f"{caller}: {join(module, found[0])} looks like a QK-norm (a normalization of each head's query "
-        f"or key after the projection, e.g. Flax's normalize_qk=True; norms under {module or '<root>'!r}: "
-        f"{found}): it undoes any scaling of the query/key kernels, so the clip would have no effect. "
-        f"Declare the norms so that the clip acts on their scales: GQALayout(..., query_norm={names}) "
-        "(add norm_scale_offset=1.0 for norms computing x * (1 + scale), as Gemma 2 and 3's RMSNorm; "
-        "Gemma 4's QK-norm computes x * scale: leave it at 0)"
-    )
+    if n not in sure and n not in projections and gain is not None and _norm_like(n, tuple(shapes[gain]), lay, stack):
+      (sure if _says_qk(n) else unsure).append(n)
+  found = sure or unsure
+  if not found:
+    return
+  q = next((n for n in found if _role(n, "q")), None)
+  k = next((n for n in found if _role(n, "k")), None)
+  names = f"{q!r}, key_norm={k!r}" if q and k else "<the query's norm>, key_norm=<the key's norm>"
+  message = (
+      f"{caller}: {join(module, found[0])} looks like a QK-norm (a normalization of each head's query "
+      f"or key after the projection, e.g. Flax's normalize_qk=True; norms under {module or '<root>'!r}: "
+      f"{found}): it undoes any scaling of the query/key kernels, so the clip would have no effect. "
+      f"Declare the norms so that the clip acts on their scales: GQALayout(..., query_norm={names}) "
+      "(add norm_scale_offset=1.0 for norms computing x * (1 + scale), as Gemma 2 and 3's RMSNorm; "
+      "Gemma 4's QK-norm computes x * scale: leave it at 0)")
+  if sure:
+    raise ValueError(message)
+  warnings.warn(f"{message}. If they normalize the attention's input, values or output instead, the clip "
+                "acts on the kernels as it should: ignore this warning", UserWarning, stacklevel=2)
 
 
 def _kind(module: str, gain: str, shape: tuple, stack: tuple, heads: int, head_dim: int, caller: str) -> str:

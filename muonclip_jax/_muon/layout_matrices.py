@@ -232,9 +232,9 @@ def muon_blocks_lookup(matrix_axes: MatrixAxesSpec, layout: Any, mode: str, tree
       try:
         return base(path, shape)
       except ValueError as e:
+        flax = "; Flax's attention modules name them 'query', 'key'" if isinstance(layout, GQALayout) else ""
         raise ValueError(f"{e}. Note: the layout matched no attention module (none holds the query/key "
-                         f"projections it names; Flax's attention modules name them 'query', 'key'): "
-                         f"{layout!r}") from None
+                         f"projections it names{flax}): {layout!r}") from None
     return unmatched
   explicit = set()
   if not _is_spec_leaf(spec):

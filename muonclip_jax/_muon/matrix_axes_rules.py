@@ -41,7 +41,10 @@ def as_matrix_axes(spec: Any, where: str = "matrix_axes") -> MatrixAxes | None:
   if spec is None or isinstance(spec, MatrixAxes):
     return spec
   if _is_dim_numbers(spec):
-    return MatrixAxes(spec.reduction_axis, spec.output_axis)
+    try:
+      return MatrixAxes(spec.reduction_axis, spec.output_axis)
+    except TypeError as e:
+      raise TypeError(f"{where}: {spec!r} (reduction_axis: fan_in, output_axis: fan_out): {e}") from None
   raise ValueError(f"{where}: expected a MatrixAxes, an optax.contrib.MuonDimensionNumbers or None, got {spec!r}")
 
 

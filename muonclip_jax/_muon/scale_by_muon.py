@@ -193,8 +193,9 @@ def scale_by_muon(
       ``precision``): None (default) for the backend's, read when the update is traced: on
       the CPU every product exact float32; on GPUs every product on float16 operands with
       float32 accumulation, the Gram iteration restarted every 2 steps; on TPUs ``ns_method="auto"``
-      runs the standard iteration at the one-pass bfloat16 rate, where it holds its band, and
-      a Gram iteration keeps exact float32 products. ``"highest"``, ``"float16"`` or
+      runs the standard iteration at the one-pass bfloat16 rate, where it holds its band (exact
+      float32 on matrices of at most 64 x 64 entries), and a Gram iteration keeps exact
+      float32 products. ``"highest"``, ``"float16"`` or
       ``"default"`` picks one of the policies on any backend (docs/training.md, "Precision").
     ns_batch: a static int >= 1: same-shaped matrices (tall ones transposed) go, in leaf
       order, into batched Newton–Schulz calls of at most ``ns_batch``, with no stacking loop

@@ -121,7 +121,8 @@ def newton_schulz(
       scaled by a power of two into float16's range, accumulated in float32; a Gram iteration
       restarts every 2 steps, whatever ``restarts`` adds); on TPUs ``"default"``
       (``"auto"`` runs ``"standard"``, whose products run at the one-pass bfloat16 rate and
-      hold the band there; a ``"gram"`` iteration keeps exact float32 products, since 8-bit
+      hold the band there, but on matrices of at most ``SMALL_ENTRIES`` (64 x 64) entries at
+      ``HIGHEST``; a ``"gram"`` iteration keeps exact float32 products, since 8-bit
       mantissas leave its band). No product depends on ``jax_default_matmul_precision``.
 
   Returns:

@@ -32,7 +32,8 @@ highest    Gram where it saves FLOPs (aspect >= 2)   ``HIGHEST``          ``HIGH
 float16    Gram where it saves FLOPs (aspect >= 2)   float16 operands     float16 operands,
                                                                           restarts every 2 steps
 default    standard                                  ``DEFAULT``          ``HIGHEST``,
-                                                                          restarts every 5 steps
+                                                     (``HIGHEST`` up to   restarts every 5 steps
+                                                     ``SMALL_ENTRIES``)
 =========  =======================================  ===================  =====================
 
 float16 operands: every operand is rounded to float16 and the products accumulate in float32
@@ -147,8 +148,8 @@ def restarts(given: tuple[int, ...], own: tuple[int, ...], steps: Any, prec: Any
   """A Gram iteration's restarts: ``given`` (the caller's), the preset's ``own`` and one every
   ``RESTART_EVERY`` steps (``RESTART_EVERY_FLOAT16`` for float16 products) below ``steps``:
   before steps 5, 10, ... (2, 4, ...). The presets' own step counts need none in float32.
-  The caller's restarts add to the others, never replace them: without its own, DeepSeek-V4's
-  Gram iteration on float16 products gave NaN (``ns_restarts=(5,)``, condition 1e6)."""
+  The caller's restarts add to the others, never replace them: those are what the products'
+  precision needs to hold the band (``benchmarks/RESULTS.md``)."""
   every = RESTART_EVERY_FLOAT16 if prec == FLOAT16 else RESTART_EVERY
   top = steps if isinstance(steps, int) else TRACED_STEPS
   return tuple(sorted({*given, *range(every, top, every), *own}))

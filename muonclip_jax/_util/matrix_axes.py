@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -40,8 +40,9 @@ class MatrixAxes:
   name, ``_muon.fused_mlp``); ``fused=(axis, 1)`` keeps it one matrix.
 
   Attributes:
-    fan_in: axes that form the rows (a tuple of ints, or one int).
-    fan_out: axes that form the columns (a tuple of ints, or one int).
+    fan_in: axes that form the rows (a tuple of ints, or one int; a list or range is taken as
+      its tuple).
+    fan_out: axes that form the columns (likewise).
     fused: ``(axis, n)``: ``axis`` holds ``n`` equal parts, each a matrix; None: one matrix.
 
   Example:
@@ -111,9 +112,11 @@ def _is_int(v: Any) -> bool:
 
 
 def _axes(name: str, value: Any) -> tuple[int, ...]:
-  """``value`` (an axis, or a sequence of them, as ``optax.contrib.MuonDimensionNumbers`` takes
-  them) as a tuple of ints; TypeError naming ``name`` for anything else."""
-  axes = (value,) if _is_int(value) else tuple(value) if isinstance(value, (tuple, list)) else None
+  """``value`` (an axis, or an iterable of them: a tuple, list, range or integer array; one int
+  as ``optax.contrib.MuonDimensionNumbers`` takes it) as a tuple of ints; TypeError naming
+  ``name`` for anything else."""
+  iterable = isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping))
+  axes = (value,) if _is_int(value) else tuple(value) if iterable else None
   if axes is None or not all(_is_int(a) for a in axes):
     raise TypeError(f"MatrixAxes: {name} must be an axis (an int) or a tuple of them, got {name}={value!r}")
   return tuple(int(a) for a in axes)
