@@ -6,6 +6,8 @@ After the clip, recomputing the forward on the same batch must give every head's
 
 from __future__ import annotations
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -256,3 +258,25 @@ def test_a_qk_norm_of_any_norm_like_name_is_refused_undeclared_and_clipped_decla
                          mutable=["intermediates"])
   after = np.asarray(after["intermediates"]["max_logits"])
   assert np.any(s > tau) and np.all(after <= tau * (1 + 1e-5)), (s, after, tau)
+
+
+def test_norm_like_names_are_read_on_stacked_layers():
+  """Two scanned layers (every leaf with a leading layer axis, maxima (2, H)): a norm named for the
+  query and key is refused, one of Flax's own names warned about, and neither an input norm over
+  ``H * HD`` features nor a gain without the layers' leading axis is taken for a QK-norm."""
+  def params(q, k, extra=None):
+    attn = {"query": {"kernel": np.ones((2, H * HD, H, HD), np.float32)},
+            "key": {"kernel": np.ones((2, H * HD, H, HD), np.float32)},
+            q: {"scale": np.ones((2, HD), np.float32)}, k: {"scale": np.ones((2, H, HD), np.float32)},
+            "LayerNorm_0": {"scale": np.ones((2, H * HD), np.float32)}}
+    return {"attn": {**attn, **(extra or {})}}
+  ml = {"attn": {"max_logits": np.full((2, H), 9.0, np.float32)}}
+  lay = GQALayout(H, H, HD, query="query", key="key")
+  with pytest.raises(ValueError, match=r"\['k_rms', 'q_rms'\]\).*query_norm='q_rms', key_norm='k_rms'"):
+    qk_clip(params("q_rms", "k_rms"), ml, qk_clip_threshold=1.0, layout=lay)
+  with pytest.warns(UserWarning, match=r"\['RMSNorm_0', 'RMSNorm_1'\]\)"):
+    qk_clip(params("RMSNorm_0", "RMSNorm_1"), ml, qk_clip_threshold=1.0, layout=lay)
+  unstacked = params("q_proj_bias", "k_proj_bias", {"RMSNorm_0": {"scale": np.ones((HD,), np.float32)}})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    qk_clip(unstacked, ml, qk_clip_threshold=1.0, layout=lay)  # no QK-norm found: the kernels are clipped

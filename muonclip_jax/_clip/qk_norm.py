@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from .layouts import GQALayout
+from .projection import as_projection
 from .._util import join
 
 # Sub-module names that QK-norm takes in Flax, Gemma, Hugging Face ports and this repository.
@@ -113,7 +114,7 @@ def check_undeclared(module: str, lay: GQALayout, shapes: Mapping[str, tuple], c
     return
   sure = [n for n in NORM_NAMES if gain_key(n, shapes) not in (None, n)]
   declared = (getattr(lay, f) for f in ("query", "key", "qkv", "value", "out"))
-  projections = {(p if isinstance(p, str) else p.name).partition("/")[0] for p in declared if p is not None}
+  projections = {as_projection(p).name.partition("/")[0] for p in declared if p is not None}
   unsure = []
   for n in dict.fromkeys(k.partition("/")[0] for k in shapes if "/" in k):
     gain = gain_key(n, shapes)

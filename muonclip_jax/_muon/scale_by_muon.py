@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import collections
 import math
-import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -39,8 +38,8 @@ import numpy as np
 import optax
 from jax import lax
 
-from .._util import (check_bool, check_float_dtype, check_number, is_box, MatrixAxesSpec, MetadataMemo, path_str,
-                     skip_frozen_leaves)
+from .._util import (check_bool, check_float_dtype, check_number, is_box, is_int, MatrixAxesSpec, MetadataMemo,
+                     path_str, skip_frozen_leaves)
 from .._orthogonalize import (check_target, orthogonalize_leaves, orthogonalize_leaves_sharded, policy,
                               resolve_coeffs, resolve_options)
 from .block_orthogonalize import orthogonalize_blocks
@@ -325,8 +324,7 @@ def scale_by_muon(
   if isinstance(ns_batch, jax.Array):
     raise ValueError("ns_batch is static: under optax.inject_hyperparams pass static_args=('ns_batch',), "
                      f"got {ns_batch!r}")
-  if ns_batch is not None and (isinstance(ns_batch, bool) or not isinstance(ns_batch, numbers.Integral)
-                               or ns_batch < 1):
+  if ns_batch is not None and (not is_int(ns_batch) or ns_batch < 1):
     raise ValueError(f"ns_batch must be None or an int >= 1, got {ns_batch!r}")
   batch = None if ns_batch is None else int(ns_batch)
   check_bool("nesterov", nesterov)

@@ -9,11 +9,12 @@ arguments here.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Any
 
 import jax
 import numpy as np
+
+from .._util import is_int
 
 # Keller Jordan's fixed quintic: fast at the start, output singular values ~[0.7, 1.2].
 MUON_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -145,7 +146,7 @@ def resolve_options(coeffs: Any, steps: Any, method: str, normalize: str | None,
   except TypeError as e:
     raise ValueError(f"restarts must be a sequence of step indices, got {restarts!r}") from e
   if isinstance(restarts, (str, bytes)) or not all(
-      isinstance(r, numbers.Integral) and not isinstance(r, bool) for r in given):  # 1.5 is no step
+      is_int(r) for r in given):  # 1.5 is no step
     raise ValueError(f"restarts must be a sequence of step indices (ints), got {restarts!r}")
   restarts = tuple(sorted({int(r) for r in given}))
   if restarts and method == "standard":  # nothing to restart: not ignored in silence

@@ -40,6 +40,11 @@ def check_number(name: str, value: Any, *, low: float | None = None, high: float
     raise ValueError(f"{name} must be {lo}{hi}, got {value!r}")
 
 
+def is_int(value: Any) -> bool:
+  """An integer that is no bool: a Python ``int`` or a NumPy integer (``numbers.Integral``)."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_positive_int(name: str, value: object, *, allow_zero: bool = False) -> None:
   """A Python ``int`` >= 1 (>= 0 with ``allow_zero``), else ValueError naming ``name``."""
   ok = isinstance(value, int) and not isinstance(value, bool)

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
 from jax import lax
 import jax.numpy as jnp
+
+from .checks import is_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +71,7 @@ class MatrixAxes:
       raise ValueError(f"MatrixAxes needs at least one fan_in and one fan_out axis, got {self}")
     if self.fused is not None:
       fused = tuple(self.fused)
-      if len(fused) != 2 or not all(_is_int(v) for v in fused) or fused[1] < 1:
+      if len(fused) != 2 or not all(is_int(v) for v in fused) or fused[1] < 1:
         raise ValueError(f"MatrixAxes: fused must be (axis, n), two ints, n >= 1 parts, got fused={self.fused!r}")
       object.__setattr__(self, "fused", (int(fused[0]), int(fused[1])))
 
@@ -107,17 +108,13 @@ class MatrixAxes:
     return batch, fi, fo
 
 
-def _is_int(v: Any) -> bool:
-  return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
 def _axes(name: str, value: Any) -> tuple[int, ...]:
   """``value`` (an axis, or an iterable of them: a tuple, list, range or integer array; one int
   as ``optax.contrib.MuonDimensionNumbers`` takes it) as a tuple of ints; TypeError naming
   ``name`` for anything else."""
   iterable = isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping))
-  axes = (value,) if _is_int(value) else tuple(value) if iterable else None
-  if axes is None or not all(_is_int(a) for a in axes):
+  axes = (value,) if is_int(value) else tuple(value) if iterable else None
+  if axes is None or not all(is_int(a) for a in axes):
     raise TypeError(f"MatrixAxes: {name} must be an axis (an int) or a tuple of them, got {name}={value!r}")
   return tuple(int(a) for a in axes)
 
