@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import _nn_reference as ref
+from _jitted_init import jitted_init
 from muonclip_jax import GQALayout, qk_clip
 from muonclip_jax import nn as mnn
 from _exactness import assert_same_math
@@ -27,14 +28,8 @@ def _x(b=2, t=T, seed=0, scale=1.0):
   return jnp.asarray(scale * np.random.default_rng(seed).standard_normal((b, t, DIM)), jnp.float32)
 
 
-@functools.cache
-def _jitted_init(module):
-  """One jitted ``init`` per module configuration (equal modules hash equal): compiled once a shape."""
-  return jax.jit(module.init)
-
-
 def _init(module, x=None, seed=0):
-  variables = _jitted_init(module)(jax.random.key(seed), _x() if x is None else x)
+  variables = jitted_init(module)(jax.random.key(seed), _x() if x is None else x)
   # Non-zero biases, so that the reference and QK-Clip see them.
   def shift_bias(p):
     if isinstance(p, nn.Partitioned) and p.unbox().ndim == 1:
