@@ -443,6 +443,19 @@ def test_bias_and_stack_mismatches():
     qk_clip(_dg_attn(stack=(2,), key_stack=(3,)), _ml(2, 2), qk_clip_threshold=3.0, layout=lay)
 
 
+def test_per_example_maxima_on_an_unstacked_model_say_to_reduce_them():
+  """Maxima (batch, heads) from a vmapped forward are read as (layers, heads): the error says that
+  the kernels fit with fewer stacked axes and that examples or batches are reduced first."""
+  lay = GQALayout(2, 2, 4, query="query", key="key")
+  with pytest.raises(ValueError, match=r"expected \(3, 'in', 8\) .*shape \(3,\) is that of attn/max_logits.*"
+                     r"kernel fits with fewer stacked axes: if attn/max_logits's leading axes hold examples or "
+                     r"batches .*take the maximum over them first"):
+    qk_clip(_dg_attn(), _ml(3, 2), qk_clip_threshold=3.0, layout=lay)
+  with pytest.raises(ValueError) as stacked:  # a stack of the wrong length: no such hint
+    qk_clip(_dg_attn(stack=(2,)), _ml(3, 2), qk_clip_threshold=3.0, layout=lay)
+  assert "fewer stacked axes" not in str(stacked.value)
+
+
 def test_projection_names_are_checked():
   params = _dg_attn()
   with pytest.raises(ValueError, match=r"module 'attn' has no 'attn/q_proj/kernel' for GQALayout \(expected "

@@ -329,6 +329,10 @@ def detect(
             f"shape {stack} is that of {join(module, 'max_logits')}; a kernel whose layer "
             "axis is not leading needs its axes declared: muonclip_jax.Projection(name, "
             "axes=...), e.g. axes=('in', 'layers', 'heads', 'head_dim')"
+            + (f"; the kernel fits with fewer stacked axes: if {join(module, 'max_logits')}'s leading axes "
+               "hold examples or batches (a vmapped forward, per-example maxima), not layers, take the "
+               "maximum over them first (e.g. jnp.max(m, axis=0))"
+               if any(len(s) < len(stack) for _, s in kernel_fits) else "")
         )
       kernel_fits = on_stack
     both = [(f, s) for f, s in kernel_fits if _fits(f, parts, kernel, bias) is not None]
