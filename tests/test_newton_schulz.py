@@ -176,13 +176,14 @@ def test_inputs_are_scaled_by_normal_powers_of_two():
   """``power_of_two_scale(v, hi)`` is a normal float32 power of two ``2^-e`` with ``v 2^-e`` in
   [1/2, 1) for every ``v`` in [2^-hi, 2^126), ``2^-126`` above (``2^-127`` is subnormal) and
   ``2^hi`` below (zero and subnormals included). Two of them, as ``newton_schulz`` applies them
-  (below the largest magnitude, ``hi = LARGEST_CAP``, then below the norm of the result, ``hi =
+  (below the largest magnitude, ``hi = None``: 126, then below the norm of the result, ``hi =
   NORM_CAP``), bring every matrix whose largest entry is normal to a Frobenius norm in [1/2, 1)
   with entries below 4; give a matrix of subnormals, where they are kept (NumPy here, as on a
   GPU: XLA:CPU flushes them), a norm that is not 0 after the first (else ``first_scale`` would
   take the matrix for zero and drop the ``eps`` floor); and a zero one a finite ``2^127``."""
-  from muonclip_jax._orthogonalize.newton_schulz import LARGEST_CAP, NORM_CAP, power_of_two_scale
-  assert (LARGEST_CAP, NORM_CAP) == (126, 1)
+  from muonclip_jax._orthogonalize.newton_schulz import NORM_CAP, power_of_two_scale
+  LARGEST_CAP = 126  # hi=None's, for float32
+  assert NORM_CAP == 1
   rng = np.random.default_rng(0)
   for hi in (LARGEST_CAP, NORM_CAP):
     v = np.concatenate([np.float32([2.0**-hi, 1.0, 0.5, 0.75, 2.0**125, np.nextafter(np.float32(2.0**126), 0)]),
@@ -197,7 +198,7 @@ def test_inputs_are_scaled_by_normal_powers_of_two():
     assert np.all(np.asarray(power_of_two_scale(jnp.asarray(low), hi)) == np.float32(2.0**hi))
 
   def scaled(x):  # newton_schulz's two scales, the products in NumPy's float32 (subnormals kept)
-    e = np.asarray(power_of_two_scale(jnp.asarray(np.abs(x).max(axis=(-2, -1), keepdims=True)), LARGEST_CAP))
+    e = np.asarray(power_of_two_scale(jnp.asarray(np.abs(x).max(axis=(-2, -1), keepdims=True))))
     y = x * e
     norm = np.sqrt(np.sum(y * y, axis=(-2, -1), keepdims=True))
     k = np.asarray(power_of_two_scale(jnp.asarray(norm), NORM_CAP))
@@ -224,3 +225,17 @@ def test_zero_size_matrices_give_an_empty_output():
     for method in ("standard", "gram"):
       out = newton_schulz(jnp.ones(shape, jnp.bfloat16), method=method, coeffs="polar_express_4", steps=None)
       assert out.shape == shape and out.dtype == jnp.bfloat16
+
+
+def test_float64_input_keeps_its_range_and_precision():
+  """A float64 ``x`` (``jax_enable_x64``) is scaled and normed in float64: entries far beyond
+  float32's range (1e39, 1e200) give the polar factor, not NaN, and 12 Polar Express steps at
+  ``HIGHEST`` reach it to float64's rounding, not to the float32-rounded input's (1.3e-8 when
+  the input was cast to float32 first)."""
+  x = np.random.default_rng(0).standard_normal((16, 48))
+  u, _, vt = np.linalg.svd(x, full_matrices=False)
+  with jax.enable_x64(True):
+    for scale in (1.0, 1e39, 1e200):
+      out = newton_schulz(jnp.asarray(x * scale), steps=12, coeffs="polar_express", precision="highest")
+      assert out.dtype == jnp.float64
+      np.testing.assert_allclose(np.asarray(out), u @ vt, atol=1e-12, err_msg=f"scale {scale}")

@@ -87,11 +87,12 @@ def newton_schulz(
       ``eps`` (entries of 1e-30, say) is divided by about ``eps`` instead of its norm and
       comes out near zero, not near orthogonal. Large inputs have no such limit: the norm is
       taken of ``x`` scaled by a power of two below its largest magnitude
-      (``power_of_two_scale``), so every finite input, entries up to float32's largest
+      (``power_of_two_scale``), so every finite input, entries up to its dtype's largest
       included, gives the output of the input scaled down (orthogonalization is
       scale-invariant), without overflow or NaN.
     compute_dtype: dtype of the iteration (e.g. ``jnp.bfloat16`` on accelerators);
-      defaults to ``x.dtype``. Norms are always taken in float32. With ``"gram"`` only the
+      defaults to ``x.dtype``. Norms are always taken in float32 (float64 for a float64
+      ``x``, whose scales and norm keep its range and precision). With ``"gram"`` only the
       ``m x n`` products run in ``compute_dtype`` (accumulating in float32); the ``m x m``
       iteration runs in float32 (or wider), and in a low-precision dtype the final
       ``Q X_0`` splits ``Q`` into a high and a low part (two products) so that ``Q``'s
@@ -174,10 +175,10 @@ def newton_schulz(
   m, n = min(x.shape[-2:]), max(x.shape[-2:])
   gram = uses_gram(method, m, n, precision, GRAM_ASPECT)
   prec = products(precision, gram, m, n)
-  xf = x.astype(jnp.float32)
+  xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
   # x 2^-e 2^-k, exact before the cast (power_of_two_scale), with ||X||_F in [1/2, 1): the norm's
   # scale, norm_scale * ||X|| + eps 2^-e 2^-k, is folded into the first step (first_scale).
-  e = power_of_two_scale(jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True), LARGEST_CAP)
+  e = power_of_two_scale(jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True))
   y = xf * e  # |y| < 4: no square overflows
   norm = jnp.sqrt(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True))
   k = power_of_two_scale(norm, NORM_CAP)
@@ -191,22 +192,24 @@ def newton_schulz(
   return X.astype(x.dtype)
 
 
-# power_of_two_scale's caps (its hi): below the largest magnitude, then below the norm after it
-LARGEST_CAP = 126
+# power_of_two_scale's cap (its hi) below the norm; below the largest magnitude it is the dtype's
+# bias - 1 (126 for float32, 1022 for float64)
 NORM_CAP = 1
 
 
-def power_of_two_scale(v: jax.Array, hi: int) -> jax.Array:
-  """``2^-e`` for the power of two with ``v < 2^e <= 2 v``, for a float32 ``v >= 0`` (sign bit
-  clear: not ``-0.0``), with ``-e`` kept within [-126, hi] (``_util.powers_of_two``): a normal
-  float32, so multiplying a float32 by it is exact (but where the product underflows).
+def power_of_two_scale(v: jax.Array, hi: int | None = None) -> jax.Array:
+  """``2^-e`` for the power of two with ``v < 2^e <= 2 v``, for a float32 or float64 ``v >= 0``
+  (sign bit clear: not ``-0.0``), with ``-e`` kept within [-126, hi] (float64: [-1022, hi];
+  ``_util.powers_of_two``): a normal number of ``v``'s dtype, so multiplying by it is exact (but
+  where the product underflows). The figures below are float32's; float64's are alike, with
+  1022 for 126. ``hi=None``: 126 (float64: 1022).
 
   ``newton_schulz`` scales its input by two of these instead of dividing it by its norm, so that
   an input of ``compute_dtype`` values (bfloat16 gradients, say) reaches the iteration unrounded
   (dividing rounds it a second time, which on small matrices, 4 x 4 or 8 x 8, can move a singular
   value near the band's low end below it: ``benchmarks/RESULTS.md``):
 
-  * ``e`` from its largest magnitude, ``hi = LARGEST_CAP = 126``: ``|x 2^-e|`` in [1/2, 1), so
+  * ``e`` from its largest magnitude, ``hi = None`` (126): ``|x 2^-e|`` in [1/2, 1), so
     no square overflows (those of entries above ~1.8e19 would); in [1, 4) for a largest
     magnitude at or above 2^126 (``2^-127`` would be subnormal, flushed to zero by XLA:CPU);
     ``2^126`` for a zero or subnormal largest magnitude (read from the exponent bits, which are
@@ -218,7 +221,8 @@ def power_of_two_scale(v: jax.Array, hi: int) -> jax.Array:
     input's two scales make ``2^127``, finite: no ``inf * 0`` where they are multiplied together
     or squared (the split iteration's ``A f^2``).
   """
-  return power_of_two_below(v.astype(jnp.float32), 0, -126, hi)
+  bias = int(jnp.finfo(v.dtype).maxexp) - 1
+  return power_of_two_below(v, 0, 1 - bias, bias - 1 if hi is None else hi)
 
 
 def ns_flops(shape: tuple[int, ...], *, steps: int | None = 5, coeffs: Any = "muon",

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .newton_schulz import (LARGEST_CAP, NORM_CAP, apply_factor, apply_step, factor_parts, first_scale,
+from .newton_schulz import (NORM_CAP, apply_factor, apply_step, factor_parts, first_scale,
                             power_of_two_scale, square_form, step_matrix)
 from .precision import (einsum, first_step_parts, matmul, products, restarts as policy_restarts,
                         uses_gram)
@@ -136,12 +136,12 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
   m = x.shape[-2]
   r = m // g
   p = jax.lax.axis_index(axes)
-  xf = x.astype(jnp.float32)
+  xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
   # x scaled by powers of two (exact before the cast), as newton_schulz scales it: first below its
   # largest magnitude (|x e| < 4: no square overflows), then below the Frobenius norm, read from
   # the trace of the first Gram matrix (the Gram iteration's G: in chunks), scaled alike. The
   # first step's scale is folded in (first_scale).
-  e = power_of_two_scale(jax.lax.pmax(jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True), axes), LARGEST_CAP)
+  e = power_of_two_scale(jax.lax.pmax(jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True), axes))
   X = (xf * e).astype(dtype)
   prec = it.get("prec")
   gram_f = lambda X, t=None, of=gram_of: jax.lax.psum(of(X, False, t, prec), axes)
