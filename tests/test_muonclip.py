@@ -142,7 +142,8 @@ def test_missing_max_logits_is_an_error_and_none_turns_clip_off():
   params = init_params(CFG, 0)
   g = jax.tree.map(jnp.ones_like, params)
   opt = _muonclip()
-  with pytest.raises(ValueError, match="max_logits is missing, but the clip threshold is 5.0"):
+  with pytest.raises(ValueError, match="max_logits is missing, but the clip threshold is 5.0.*Flax's "
+                                       "TrainState.apply_gradients passes no extra arguments"):
     jax.jit(opt.update)(g, opt.init(params), params)
   off = _muonclip(qk_clip_threshold=None)
   u, _ = jax.jit(off.update)(g, off.init(params), params)  # no max_logits needed
@@ -309,3 +310,27 @@ def test_mixed_precision_master_params_are_clipped_and_bf16_params_work():
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(out))
   chex.assert_tree_all_finite(out)
   assert float(hist[-1][1]["loss"]) < float(hist[0][1]["loss"])
+
+
+@pytest.mark.parametrize("skipped_at", [0, 1])
+def test_multi_steps_drops_the_maxima_of_a_skipped_micro_step_wherever_it_falls(skipped_at):
+  """``should_skip_update_fn`` skips a micro-step with a non-finite gradient: its maxima are
+  dropped with its gradient, first in the accumulation or not. Here they alone are above tau."""
+  layout = mc.GQALayout(num_heads=2, num_kv_heads=2, head_dim=4)
+  params = {"attn": {"wq": {"kernel": jnp.ones((8, 8))}, "wk": {"kernel": jnp.ones((8, 8))}}}
+  opt = mc.multi_steps(optax.chain(optax.sgd(0.0), mc.qk_clip_transform(100.0, layout=layout)), 2, layout=layout,
+                       should_skip_update_fn=optax.skip_not_finite)
+  zeros, nan = jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), params)
+  cold, hot = ({"attn": {"max_logits": jnp.array(m)}} for m in ([50.0, 60.0], [400.0, 50.0]))
+  calls = [(zeros, cold), (zeros, cold)]
+  calls.insert(skipped_at, (nan, hot))
+  state, p, update, running = opt.init(params), params, jax.jit(opt.update), []
+  for grads, maxima in calls:
+    u, state = update(grads, state, p, max_logits=maxima)
+    p = optax.apply_updates(p, u)
+    running.append(np.asarray(state.max_logits["attn"]["max_logits"]))
+  assert int(state.inner.gradient_step) == 1 and int(state.inner.skip_state["num_not_finite"]) == 0
+  chex.assert_trees_all_equal(p, params)  # the cold maxima are below tau: nothing clipped
+  empty, first = [-np.inf, -np.inf], [50.0, 60.0]  # the running maximum after each call
+  want = [empty, first, empty] if skipped_at == 0 else [first, first, empty]
+  np.testing.assert_array_equal(np.stack(running), np.asarray(want))

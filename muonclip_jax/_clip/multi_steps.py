@@ -36,7 +36,8 @@ def multi_steps(
   Every call ``update(grads, state, params, max_logits=intermediates)`` merges the
   microbatch's maxima into a running maximum and hands the running maximum to ``opt``; at
   the k-th call ``opt`` makes the real update (and, for ``muonclip``, the one clip of the
-  step) and the running maximum starts again from -inf.
+  step) and the running maximum starts again from -inf. A micro-step that
+  ``should_skip_update_fn`` skips drops its maxima with its gradient.
 
   Args:
     opt: the optimizer, e.g. ``muonclip(...)``.
@@ -80,14 +81,17 @@ def multi_steps(
     if max_logits is None:
       updates, inner_state = inner.update(updates, state.inner, params, **extra_args)
       return updates, MultiStepsMaxLogitsState(inner_state, state.max_logits)
-    running = merge_max_logits(
-        collect_max_logits(state.max_logits, "multi_steps"), collect_max_logits(max_logits, "multi_steps")
-    )
+    before = collect_max_logits(state.max_logits, "multi_steps")
+    running = merge_max_logits(before, collect_max_logits(max_logits, "multi_steps"))
     updates, inner_state = inner.update(
         updates, state.inner, params, max_logits=nest_max_logits(running), **extra_args
     )
+    # A micro-step that should_skip_update_fn skipped leaves optax's counters as they were: its
+    # maxima are dropped like its gradient, wherever it falls in the accumulation.
+    skipped = ((inner_state.mini_step == state.inner.mini_step)
+               & (inner_state.gradient_step == state.inner.gradient_step))
     done = inner_state.mini_step == 0
-    reset = {m: jnp.where(done, -jnp.inf, v) for m, v in running.items()}
-    return updates, MultiStepsMaxLogitsState(inner_state, nest_max_logits(reset))
+    kept = {m: jnp.where(skipped, before[m], jnp.where(done, -jnp.inf, v)) for m, v in running.items()}
+    return updates, MultiStepsMaxLogitsState(inner_state, nest_max_logits(kept))
 
   return skip_frozen_leaves(optax.GradientTransformationExtraArgs(init_fn, update_fn))
