@@ -425,7 +425,7 @@ def reading(runs, stats) -> list[str]:
       "before that step's clip, on a new batch: a value above tau there is not a failure of the clip.")
   e = s["muonclip-exact"]
   passes = (f"its clip took {e['passes']:.2f} extra forward passes per step on average "
-            "(at most one per attention layer)"
+            "(one, and one more after each clip; at most one clip per attention layer)"
             if e["passes"] is not None else
             "this run predates the multi-layer fix of the exact clip: its exact clip made one forward pass "
             "and one clip per step, exact for the first attention layer only")

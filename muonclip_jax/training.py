@@ -143,8 +143,11 @@ def make_train_step(
       head is above tau (1 + rtol), at most once per attention layer (``exact_qk_clip``):
       after the step every head's max logit on the step's batch is at most tau (1 + rtol),
       for any depth (rtol = 1e-4, or the machine epsilon of a lower-precision
-      ``compute_dtype``/param dtype). Costs one forward pass, more when clipping a layer
-      pushes a later one above tau (metric ``exact_clip_passes``); use it with
+      ``compute_dtype``/param dtype). Costs one forward pass, and one more after each clip
+      (metric ``exact_clip_passes``); the last one's largest max logit is the metric
+      ``exact_clip_max_logit``, above tau (1 + rtol) only where the logits do not follow the
+      query/key kernels (a QK-norm the layout does not declare, weights shared across
+      depth) after one clip per attention layer; use it with
       ``muon_adamw`` (or with ``muonclip``, which then clips twice). Under
       ``multi_steps``/``optax.MultiSteps`` it runs only at the micro-step that updates the
       weights (``exact_clip_passes`` is 0 at the others).
@@ -168,7 +171,9 @@ def make_train_step(
     ``learning_rate`` (the optimizer's, when injected with ``optax.inject_hyperparams``; a
     dict by state path when several are), ``aux`` (``loss_fn``'s extra outputs) and
     ``exact_clip_passes`` (int32, the forward passes the exact clip took, 1 to the number
-    of attention layers). Without captured maxima (see ``loss_fn``) only ``loss``,
+    of attention layers plus one) and ``exact_clip_max_logit`` (float32, the largest max
+    logit of the returned params on the step's batch, the exact clip's last measurement; the
+    forward pass's at micro-steps that do not update). Without captured maxima (see ``loss_fn``) only ``loss``,
     ``grad_norm``, ``learning_rate`` and ``aux``. ``metrics_to_floats`` turns them into a
     flat dict of floats for logging.
 
@@ -244,11 +249,12 @@ def make_train_step(
       raise ValueError("make_train_step: exact_clip=True needs qk_clip_threshold, or an optimizer that clips "
                        "(muonclip), whose tau it then uses")
     scaled, gamma = optimizer_clip(before, after, maxima)
-    params, passes, exact_scaled, exact_gamma = exact_clip_step(
+    params, passes, exact_scaled, exact_gamma, last = exact_clip_step(
         params, lambda p: maxima_on(forward, p, batch, rng, k), qk_clip_threshold=tau,
         rtol=exact_rtol(params, compute_dtype), updated=after.updated, like=maxima,
         layout=_exact_clip_layout(layout, held))
     metrics["exact_clip_passes"] = passes
+    metrics["exact_clip_max_logit"] = clip_metrics(last, None)["max_logit"]
     metrics.update(applied_clip_metrics({m: scaled[m] | exact_scaled[m] for m in scaled},
                                         {m: gamma[m] * exact_gamma[m] for m in gamma}))
     return params, opt_state, metrics

@@ -73,10 +73,12 @@ def test_exact_clip_bounds_every_layer_of_a_deep_model(cfg):
     assert sum(s.size // s.shape[-1] for s in after.values()) == cfg.num_layers
     worst = max(float(jnp.max(s)) for s in after.values())
     assert worst <= tau * (1 + 1e-4), (worst, int(metrics["exact_clip_passes"]))
+    # the exact clip's last measurement is that of the params it returns
+    assert float(metrics["exact_clip_max_logit"]) == pytest.approx(worst, rel=1e-5)
     assert float(metrics["max_logit"]) > tau  # the step's forward pass was above tau
     passes.append(int(metrics["exact_clip_passes"]))
     assert metrics["exact_clip_passes"].dtype == jnp.int32
-  assert all(1 <= p <= cfg.num_layers for p in passes), passes
+  assert all(1 <= p <= cfg.num_layers + 1 for p in passes), passes  # a measurement after each clip
   assert max(passes) > 1, passes  # the extra passes did the work
   assert not check_metrics or sum(clipped) > 0
 

@@ -148,12 +148,14 @@ def test_exact_clip_step_acts_only_where_the_weights_changed():
   like = measure(params)
   assert float(jnp.max(like["attn"])) > tau
   kw = dict(qk_clip_threshold=tau, layout=LAYOUT, rtol=1e-4, like=like)
-  out, passes, scaled, gamma = exact_clip_step(params, measure, updated=None, **kw)
-  assert float(jnp.max(measure(out)["attn"])) <= tau * (1 + 1e-4) and int(passes) == 1
+  out, passes, scaled, gamma, last = exact_clip_step(params, measure, updated=None, **kw)
+  assert float(jnp.max(measure(out)["attn"])) <= tau * (1 + 1e-4) and int(passes) == 2  # one clip, measured
+  chex.assert_trees_all_close(last, measure(out), rtol=1e-6)  # the last measurement: the returned params'
   assert scaled["attn"].tolist() == (like["attn"] > tau).tolist()
   skipped = exact_clip_step(params, measure, updated=jnp.asarray(False), **kw)
   chex.assert_trees_all_equal(skipped[0], params)
   assert int(skipped[1]) == 0 and not bool(jnp.any(skipped[2]["attn"])) and float(jnp.min(skipped[3]["attn"])) == 1.0
+  chex.assert_trees_all_equal(skipped[4], like)  # the weights as they were: the forward pass's maxima
   chex.assert_trees_all_close(exact_clip_step(params, measure, updated=jnp.asarray(True), **kw)[0], out)
 
 

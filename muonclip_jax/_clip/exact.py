@@ -26,19 +26,21 @@ def exact_qk_clip(params: Any, measure: Callable[[Any], dict[str, jax.Array]], *
   Clipping attention layer l changes the input of the layers after it, so one clip with the
   maxima of one forward pass bounds only the first layer. This repeats: measure the maxima
   of ``params`` (``measure(params) -> {module: (*stack, H)}``, a gradient-free forward pass
-  on the step's batch), and clip every head above ``tau (1 + rtol)`` to tau, until no head
-  is above it, or at most ``L`` times, ``L`` the number of attention layers (rows of the
-  maxima: modules times stacked layers). After clip ``k`` the first ``k`` attention layers
-  (in the order of the forward pass) are at most tau and are never touched again, so the
-  inputs of layer ``k + 1`` are fixed: ``L`` clips bound every layer. This holds when each
-  attention layer's logits depend only on its own and earlier layers' query/key weights;
-  an attention module whose weights are applied more than once in the forward pass
-  (weight sharing across depth) is not covered by the bound.
+  on the step's batch), and clip every head above ``tau (1 + rtol)`` to tau, then measure
+  again, until no head is above it, or at most ``L`` times, ``L`` the number of attention
+  layers (rows of the maxima: modules times stacked layers). After clip ``k`` the first
+  ``k`` attention layers (in the order of the forward pass) are at most tau and are never
+  touched again, so the inputs of layer ``k + 1`` are fixed: ``L`` clips bound every layer.
+  This holds when each attention layer's logits depend only on its own and earlier layers'
+  query/key weights; it fails for an attention module whose weights are applied more than
+  once in the forward pass (weight sharing across depth) or whose logits do not follow its
+  query/key kernels (a QK-norm the layout does not declare). Every clip is followed by a
+  measurement, so the last one says whether every head holds.
 
   Inside jit, no host sync (``lax.while_loop``). Returns ``(params, passes)``: ``passes``
-  (int32, 1 to L) is the number of forward passes taken; the last clip needs no forward
-  pass after it (it is the L-th clip, or clips nothing). ``make_train_step(exact_clip=True)``
-  also reports the product of the factors each head received over the passes.
+  (int32, 1 to L + 1) is the number of forward passes taken, one more than the clips.
+  ``make_train_step(exact_clip=True)`` also reports the product of the factors each head
+  received over the passes and the largest max logit of the last measurement.
 
   Example:
     >>> import jax, jax.numpy as jnp, muonclip_jax as mc
@@ -55,15 +57,16 @@ def exact_qk_clip(params: Any, measure: Callable[[Any], dict[str, jax.Array]], *
     >>> bool(jnp.max(measure(params)["attn"]) > 10.0)
     True
     >>> clipped, passes = training.exact_qk_clip(params, measure, qk_clip_threshold=10.0, layout=layout)
-    >>> bool(jnp.max(measure(clipped)["attn"]) <= 10.0 * (1 + 1e-4)), int(passes)
-    (True, 1)
+    >>> bool(jnp.max(measure(clipped)["attn"]) <= 10.0 * (1 + 1e-4)), int(passes)  # one clip, measured
+    (True, 2)
   """
   return exact_clip_with_factors(params, measure, qk_clip_threshold=qk_clip_threshold, layout=layout, rtol=rtol)[:2]
 
 
 def exact_clip_with_factors(params: Any, measure: Callable[[Any], dict[str, jax.Array]], *, qk_clip_threshold: Any,
-                            layout: Any, rtol: float) -> tuple[Any, jax.Array, dict, dict]:
-  """``exact_qk_clip``, plus per head whether it was scaled and the product of its factors."""
+                            layout: Any, rtol: float) -> tuple[Any, jax.Array, dict, dict, dict]:
+  """``exact_qk_clip``, plus per head whether it was scaled, the product of its factors and the
+  maxima of the returned params (the last measurement)."""
   maxima = measure(params)
   num_layers = sum(math.prod(s.shape[:-1]) for s in maxima.values())
   limit = jnp.asarray(qk_clip_threshold, jnp.float32) * (1 + rtol)
@@ -79,9 +82,9 @@ def exact_clip_with_factors(params: Any, measure: Callable[[Any], dict[str, jax.
       scaled, total = {**scaled, m: scaled[m] | hit}, {**total, m: total[m] * gamma}
     return params, scaled, total
 
-  def cond(carry):
+  def cond(carry):  # passes - 1 clips so far
     _, maxima, passes, _, _ = carry
-    return (passes < num_layers) & jnp.any(jnp.stack([jnp.any(s > limit) for s in maxima.values()]))
+    return (passes <= num_layers) & jnp.any(jnp.stack([jnp.any(s > limit) for s in maxima.values()]))
 
   def body(carry):
     params, maxima, passes, scaled, total = carry
@@ -91,19 +94,18 @@ def exact_clip_with_factors(params: Any, measure: Callable[[Any], dict[str, jax.
   scaled, total = no_clip_decisions(maxima)
   params, maxima, passes, scaled, total = jax.lax.while_loop(
       cond, body, (params, maxima, jnp.ones((), jnp.int32), scaled, total))
-  params, scaled, total = clip(params, maxima, scaled, total)
-  return params, passes, scaled, total
+  return params, passes, scaled, total, maxima
 
 
 def exact_clip_step(params: Any, measure: Callable[[Any], dict[str, jax.Array]], *, qk_clip_threshold: Any,
                     layout: Any, rtol: float, updated: jax.Array | None,
-                    like: dict[str, jax.Array]) -> tuple[Any, jax.Array, dict, dict]:
+                    like: dict[str, jax.Array]) -> tuple[Any, jax.Array, dict, dict, dict]:
   """The exact clip of one train step: ``exact_clip_with_factors``, where the weights changed.
 
   ``updated`` is None when every call updates the weights; under ``optax.MultiSteps`` /
   ``multi_steps`` it is whether this call made the real update, and the other micro-steps
-  leave ``params`` as they are (0 passes, nothing scaled; ``like``, the step's maxima, gives
-  the shapes).
+  leave ``params`` as they are (0 passes, nothing scaled; ``like``, the step's maxima, are
+  theirs).
   """
 
   def clip_now(p):
@@ -113,7 +115,7 @@ def exact_clip_step(params: Any, measure: Callable[[Any], dict[str, jax.Array]],
     return clip_now(params)
 
   def skip(p):
-    return (p, jnp.zeros((), jnp.int32), *no_clip_decisions(like))
+    return (p, jnp.zeros((), jnp.int32), *no_clip_decisions(like), like)
 
   return jax.lax.cond(updated, clip_now, skip, params)
 
