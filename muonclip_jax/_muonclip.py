@@ -93,9 +93,11 @@ def muonclip(
       shard_orthogonalization, shard_split: Muon's options (``scale_by_muon``), with its
       defaults.
 
-  Under ``optax.inject_hyperparams`` a callable ``labels``/``matrix_axes`` must be named in
-  ``static_args`` (inject_hyperparams takes every callable for a schedule); a
-  ``MatrixAxes`` or a pytree is static as it is.
+  Under ``optax.inject_hyperparams`` a callable ``labels``/``matrix_axes``/``weight_decay_mask``
+  must be named in ``static_args`` (inject_hyperparams takes every callable for a schedule
+  and calls it with the step count: a mask such as ``lambda p: jax.tree.map(lambda x: x.ndim
+  >= 2, p)`` then returns ``False`` and turns weight decay off everywhere, silently, as for
+  ``optax.adamw(mask=...)``); a ``MatrixAxes`` or a pytree is static as it is.
 
   See ``qk_clip_transform`` for the (at most one-ulp) rounding difference between this and
   calling ``qk_clip`` on ``optax.apply_updates(params, updates)`` yourself.

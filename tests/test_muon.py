@@ -306,8 +306,10 @@ def test_weight_decay_mask_reaches_both_halves_of_muon_adamw():
   labels = mc.muon_labels(params)
   assert labels["dense"]["kernel"] == "muon" and labels["embed"]["embedding"] == "adam"
 
-  def update(**kw):
-    opt = mc.muon_adamw(1.0, weight_decay=0.1, **kw)
+  def update(injected=False, **kw):
+    factory = (optax.inject_hyperparams(mc.muon_adamw, static_args=("weight_decay_mask",)) if injected else
+               mc.muon_adamw)
+    opt = factory(1.0, weight_decay=0.1, **kw)
     return jax.tree.map(lambda u: round(float(u.ravel()[0]), 6), opt.update(zeros, opt.init(params), params)[0])
 
   decayed = {"embed": {"embedding": -0.1}, "dense": {"kernel": -0.1, "bias": -0.1}, "norm": {"scale": -0.1}}
@@ -319,6 +321,8 @@ def test_weight_decay_mask_reaches_both_halves_of_muon_adamw():
   matrices = {"embed": {"embedding": -0.1}, "dense": {"kernel": -0.1, "bias": 0.0}, "norm": {"scale": 0.0}}
   assert update(weight_decay_mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)) == matrices
   assert update(weight_decay_mask=jax.tree.map(lambda x: x.ndim >= 2, params)) == matrices
+  # under inject_hyperparams, a callable named in static_args (the docstrings' advice) is a mask
+  assert update(True, weight_decay_mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)) == matrices
 
 
 @pytest.mark.parametrize(

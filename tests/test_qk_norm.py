@@ -12,13 +12,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import pytest
 from flax import nnx
 
 import muonclip_jax as mc
 import muonclip_jax.nn as mnn
-from muonclip_jax import GQALayout, Projection, qk_clip
+from muonclip_jax import GQALayout, Projection, qk_clip, training
 from _exactness import assert_same_math
 
 H, HKV, D, HD, B, T = 4, 2, 16, 8, 2, 8
@@ -232,12 +233,14 @@ class _NamedNormAttention(nn.Module):
     return nn.DenseGeneral(H * HD, axis=(-2, -1), name="out")(mnn.dot_product_attention(q, k, v))
 
 
-@pytest.mark.parametrize("names", [(None, None), ("q_ln", "k_ln"), ("norm_q", "norm_k"), ("qnorm", "knorm"),
-                                   ("q_rms", "k_rms")])
-def test_a_qk_norm_of_any_norm_like_name_is_refused_undeclared_and_clipped_declared(names):
+@pytest.mark.parametrize("names,refused", [((None, None), False), (("q_ln", "k_ln"), True), (("norm_q", "norm_k"), True),
+                                           (("qnorm", "knorm"), True), (("q_rms", "k_rms"), True),
+                                           (("qn", "kn"), True), (("q_gain", "k_gain"), False)])
+def test_a_qk_norm_of_any_norm_like_name_is_refused_undeclared_and_clipped_declared(names, refused):
   """Not only the usual names: a norm-like sub-module whose name says query or key, holding a gain
   of a QK-norm's shape, is refused undeclared (the clip would report heads clipped and change no
-  logit); under Flax's own names (``RMSNorm_0``), which could as well be a value or output norm, a
+  logit); under Flax's own names (``RMSNorm_0``), which could as well be a value or output norm, or
+  under a name that does not say norm but with a gain named ``scale`` as Flax's norms have, a
   UserWarning says the same. Declared, the clip bounds every head by tau. The input norm over
   ``H * HD`` features and the value's norm are not taken for QK-norms."""
   model = _NamedNormAttention(names)  # the input norm's gain has a flattened QK-norm's shape, (H * HD,)
@@ -248,7 +251,7 @@ def test_a_qk_norm_of_any_norm_like_name_is_refused_undeclared_and_clipped_decla
   declared = f"query_norm='{q}', key_norm='{k}'" if names[0] else "query_norm=<the query's norm>"
   message = rf"^qk_clip: {min(q, k)} looks like a QK-norm .*\['{min(q, k)}', '{max(q, k)}'\]\).*GQALayout\(\.\.\., {declared}"
   undeclared = GQALayout(H, H, HD, query="query", key="key")
-  with pytest.raises(ValueError, match=message) if names[0] else pytest.warns(UserWarning, match=message):
+  with pytest.raises(ValueError, match=message) if refused else pytest.warns(UserWarning, match=message):
     qk_clip(params, state["intermediates"], qk_clip_threshold=1.0, layout=undeclared)
   s = np.asarray(state["intermediates"]["max_logits"])
   assert s.shape == (H,), s.shape
@@ -264,10 +267,10 @@ def test_norm_like_names_are_read_on_stacked_layers():
   """Two scanned layers (every leaf with a leading layer axis, maxima (2, H)): a norm named for the
   query and key is refused, one of Flax's own names warned about, and neither an input norm over
   ``H * HD`` features nor a gain without the layers' leading axis is taken for a QK-norm."""
-  def params(q, k, extra=None):
+  def params(q, k, extra=None, leaf="scale"):
     attn = {"query": {"kernel": np.ones((2, H * HD, H, HD), np.float32)},
             "key": {"kernel": np.ones((2, H * HD, H, HD), np.float32)},
-            q: {"scale": np.ones((2, HD), np.float32)}, k: {"scale": np.ones((2, H, HD), np.float32)},
+            q: {leaf: np.ones((2, HD), np.float32)}, k: {leaf: np.ones((2, H, HD), np.float32)},
             "LayerNorm_0": {"scale": np.ones((2, H * HD), np.float32)}}
     return {"attn": {**attn, **(extra or {})}}
   ml = {"attn": {"max_logits": np.full((2, H), 9.0, np.float32)}}
@@ -276,7 +279,48 @@ def test_norm_like_names_are_read_on_stacked_layers():
     qk_clip(params("q_rms", "k_rms"), ml, qk_clip_threshold=1.0, layout=lay)
   with pytest.warns(UserWarning, match=r"\['RMSNorm_0', 'RMSNorm_1'\]\)"):
     qk_clip(params("RMSNorm_0", "RMSNorm_1"), ml, qk_clip_threshold=1.0, layout=lay)
-  unstacked = params("q_proj_bias", "k_proj_bias", {"RMSNorm_0": {"scale": np.ones((HD,), np.float32)}})
+  unstacked = params("q_proj_bias", "k_proj_bias", {"RMSNorm_0": {"scale": np.ones((HD,), np.float32)}}, leaf="b")
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     qk_clip(unstacked, ml, qk_clip_threshold=1.0, layout=lay)  # no QK-norm found: the kernels are clipped
+
+
+class _GainlessNormAttention(nn.Module):
+  """Query and key normalized without a gain (``use_scale=False``), or not at all: a QK-norm that
+  the parameters do not show."""
+  normalized: bool
+
+  @nn.compact
+  def __call__(self, x):
+    norm = (lambda y: 3.0 * nn.RMSNorm(use_scale=False)(y)) if self.normalized else (lambda y: y)
+    q, k = (norm(nn.DenseGeneral((H, HD), name=n)(x)) for n in ("query", "key"))
+    v = nn.DenseGeneral((H, HD), name="value")(x)
+    return nn.DenseGeneral(H * HD, axis=(-2, -1), name="out")(mnn.dot_product_attention(q, k, v))
+
+
+@pytest.mark.parametrize("normalized", [True, False])
+def test_the_exact_clip_reports_heads_that_a_hidden_qk_norm_keeps_above_tau(normalized):
+  """No parameter shows a norm without a gain, so the clip scales the kernels, which the norm
+  undoes. ``make_train_step(exact_clip=True)`` measures after every clip: its
+  ``exact_clip_max_logit`` stays at the forward pass's maximum, above tau, after one clip and
+  its measurement (2 passes); without the norm it is tau, and equal to a separate forward pass."""
+  model = _GainlessNormAttention(normalized)
+  x = jnp.asarray(np.random.default_rng(3).normal(size=(B, T, H * HD)) * 2, jnp.float32)
+  params = model.init(jax.random.key(0), x)["params"]
+
+  def loss_fn(p, x):
+    y, state = model.apply({"params": p}, x, mutable=["intermediates"])
+    return jnp.mean(y ** 2), state["intermediates"]
+
+  first = float(np.max(loss_fn(params, x)[1]["max_logits"]))
+  tau, opt = first / 2, optax.sgd(0.0)
+  step = jax.jit(training.make_train_step(loss_fn, opt, qk_clip_threshold=tau, exact_clip=True,
+                                          layout=GQALayout(H, H, HD, query="query", key="key")))
+  params, _, metrics = step(params, opt.init(params), x)
+  after = float(np.max(loss_fn(params, x)[1]["max_logits"]))
+  assert int(metrics["exact_clip_passes"]) == 2 and int(metrics["num_clipped"]) > 0
+  assert float(metrics["exact_clip_max_logit"]) == pytest.approx(after, rel=1e-5)
+  if normalized:
+    assert after == pytest.approx(first, rel=1e-5), (after, first)  # the clip changed no logit
+  else:
+    assert after <= tau * (1 + 1e-4), (after, tau)

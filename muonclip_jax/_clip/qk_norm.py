@@ -33,10 +33,11 @@ wrong offset mis-scales the head: ``1.0`` on Gemma 4's ``x * scale`` with g = 1 
 with tau 6 ends at 4 instead of 6. A GQA module
 with a norm that its layout does not declare is a ValueError naming the norm: a sub-module of
 a known QK-norm name (``NORM_NAMES``) holding a gain, whatever its leaf is called, or a
-norm-like one (``_norm_like``: ``q_ln``, ``norm_q``, ...) whose gain has a QK-norm's shape and
-whose name says query or key. A norm-like one of another name (Flax's own ``RMSNorm_0``) with
-such a gain is a UserWarning: it may as well normalize the input, the values or the output. A
-norm without a gain (an L2 norm, ``use_scale=False``) is not seen in the parameters.
+norm-like one (``_norm_like``: ``q_ln``, ``norm_q``, ``qn``, ...) whose gain has a QK-norm's shape
+and whose name says query or key. A norm-like one of another name (Flax's own ``RMSNorm_0``), or
+any sub-module whose gain of such a shape is a leaf ``scale`` (Flax's norms' name for it), is a
+UserWarning: it may as well normalize the input, the values or the output, or scale the query
+linearly. A norm without a gain (an L2 norm, ``use_scale=False``) is not seen in the parameters.
 """
 
 from __future__ import annotations
@@ -74,16 +75,17 @@ def _words(name: str) -> list[str]:
   return [w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+", name)]
 
 
-def _norm_like(name: str, shape: tuple, lay: GQALayout, stack: tuple) -> bool:
+def _norm_like(name: str, gain: str, shape: tuple, lay: GQALayout, stack: tuple) -> bool:
   """A sub-module whose name says norm (Flax's own names ``RMSNorm_0``, ``LayerNorm_1``; ``q_ln``,
-  ``norm_q``, ``qnorm``, ``q_rms``), not of the value or output, holding a gain of a QK-norm's shape
-  after the maxima's stacked-layer shape ``stack``: ``(head_dim,)`` (shared by heads) or ``(heads,
-  head_dim)``, or, for a name that also says query or key, ``(heads * head_dim,)`` (which an input
-  norm of ``heads * head_dim`` features has as well)."""
+  ``norm_q``, ``qnorm``, ``q_rms``, ``qn``) or whose gain is a leaf ``scale`` (Flax's norms' name for
+  it), not of the value or output, holding a gain of a QK-norm's shape after the maxima's
+  stacked-layer shape ``stack``: ``(head_dim,)`` (shared by heads) or ``(heads, head_dim)``, or, for
+  a name that also says query or key, ``(heads * head_dim,)`` (which an input norm of ``heads *
+  head_dim`` features has as well)."""
   words = _words(name)
-  if not any("norm" in w or w in ("ln", "rms") for w in words):
+  if not (_says_norm(name) or gain == f"{name}/scale"):
     return False
-  if any(w in ("v", "value", "values", "o", "out", "output", "vnorm", "onorm") for w in words):
+  if any(w in ("v", "value", "values", "o", "out", "output", "vnorm", "onorm", "vn") for w in words):
     return False
   if tuple(shape[: len(stack)]) != tuple(stack):
     return False
@@ -93,11 +95,17 @@ def _norm_like(name: str, shape: tuple, lay: GQALayout, stack: tuple) -> bool:
   return _says_qk(name) and tail in {(h * lay.head_dim,) for h in heads}
 
 
+def _says_norm(name: str) -> bool:
+  """Whether ``name`` says norm: a word with ``norm`` in it, ``ln``, ``rms``, or ``qn``/``kn``."""
+  return any("norm" in w or w in ("ln", "rms", "qn", "kn") for w in _words(name))
+
+
 def _role(name: str, letter: str) -> bool:
-  """Whether ``name`` says query (``letter`` "q": ``q_norm``, ``query_ln``, ``qnorm``, ``norm_q``)
-  or key ("k")."""
+  """Whether ``name`` says query (``letter`` "q": ``q_norm``, ``query_ln``, ``qnorm``, ``norm_q``,
+  ``qn``) or key ("k")."""
   full = {"q": ("query", "queries"), "k": ("key", "keys")}[letter]
-  return any(w == letter or w in full or (w[:1] == letter and w[1:] in ("norm", "ln", "rms")) for w in _words(name))
+  return any(w == letter or w in full or (w[:1] == letter and w[1:] in ("norm", "ln", "rms", "n"))
+             for w in _words(name))
 
 
 def _says_qk(name: str) -> bool:
@@ -118,8 +126,9 @@ def check_undeclared(module: str, lay: GQALayout, shapes: Mapping[str, tuple], c
   unsure = []
   for n in dict.fromkeys(k.partition("/")[0] for k in shapes if "/" in k):
     gain = gain_key(n, shapes)
-    if n not in sure and n not in projections and gain is not None and _norm_like(n, tuple(shapes[gain]), lay, stack):
-      (sure if _says_qk(n) else unsure).append(n)
+    if n not in sure and n not in projections and gain is not None and _norm_like(n, gain, tuple(shapes[gain]), lay,
+                                                                                   stack):
+      (sure if _says_norm(n) and _says_qk(n) else unsure).append(n)
   found = sure or unsure
   if not found:
     return

@@ -24,7 +24,8 @@ from .layouts import check_layout, LayoutSpec, report_layout
 _MISSING_MAX_LOGITS = (
     "{name}: max_logits is missing, but the clip threshold is {tau!r}; pass "
     "opt.update(grads, state, params, max_logits=intermediates), or set the threshold to None "
-    "to turn the clip off. " + CAPTURE_HINT
+    "to turn the clip off (Flax's TrainState.apply_gradients passes no extra arguments to tx.update: "
+    "docs/training.md shows a TrainState that does). " + CAPTURE_HINT
 )
 
 

@@ -58,7 +58,9 @@ def muon(
   Args:
     learning_rate: a number >= 0 or an optax schedule (see "Inputs" below).
     weight_decay: decoupled weight decay (Moonlight/Kimi: 0.1), a number >= 0 or a schedule.
-    weight_decay_mask: optional mask or callable, as in ``optax.add_decayed_weights``.
+    weight_decay_mask: optional mask or callable, as in ``optax.add_decayed_weights``. Under
+      ``optax.inject_hyperparams`` name a callable in ``static_args``: it would be taken for a
+      schedule (see ``muonclip``).
     beta, nesterov, ns_steps, ns_coeffs, ns_method, ns_normalize, ns_restarts, ns_precision, ns_batch,
       eps, compute_dtype, mu_dtype, rms_match, rms_scale, matrix_axes, layout, muon_blocks,
       shard_orthogonalization, shard_split: the options of ``scale_by_muon``, with its
@@ -162,7 +164,8 @@ def muon_adamw(
       ``learning_rate``.
     adam_b1, adam_b2, adam_eps: AdamW moments (Moonlight: 0.9, 0.95, 1e-8).
     adam_weight_decay: AdamW's decoupled weight decay; defaults to ``weight_decay``.
-    weight_decay_mask: which leaves are decayed, in both halves (below).
+    weight_decay_mask: which leaves are decayed, in both halves (below). Under
+      ``optax.inject_hyperparams`` name a callable in ``static_args`` (see ``muonclip``).
     beta, nesterov, ns_steps, ns_coeffs, ns_method, ns_normalize, ns_restarts, ns_precision, ns_batch,
       eps, compute_dtype, mu_dtype, rms_match, rms_scale, matrix_axes, layout, muon_blocks,
       shard_orthogonalization, shard_split: Muon's options (``scale_by_muon``), with its
