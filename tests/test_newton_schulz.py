@@ -116,7 +116,11 @@ def test_compute_dtype_bf16_keeps_output_dtype():
         (dict(coeffs=np.ones(4)), r"coeffs must have shape .* got .* \(4,\)"),
         (dict(steps=0), "steps must be an int >= 1, got 0"),
         (dict(steps=2.5), "steps must be an int >= 1, got 2.5"),
-        (dict(compute_dtype=jnp.int32), "compute_dtype must be a floating dtype"),
+        (dict(compute_dtype=jnp.int32), "compute_dtype must be a floating dtype of 16 bits or more, got int32"),
+        (dict(compute_dtype=jnp.float8_e4m3fn), "compute_dtype must be a floating dtype of 16 bits or more"),
+        (dict(eps=-50.0), r"eps must be > 0.0 and < inf, got -50.0"),  # the result's sign flipped
+        (dict(eps=float("nan")), r"eps must be > 0.0 and < inf, got nan"),  # all NaN
+        (dict(eps=0.0), r"eps must be > 0.0"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -124,9 +128,16 @@ def test_bad_arguments(kwargs, match):
     newton_schulz(jnp.ones((4, 4)), **kwargs)
 
 
-def test_an_integer_input_without_compute_dtype_is_named_as_the_input():
-  with pytest.raises(ValueError, match="needs a floating x or a floating compute_dtype, got x of int32"):
-    newton_schulz(jnp.ones((4, 4), jnp.int32))
+@pytest.mark.parametrize("compute_dtype", [None, jnp.float32])
+def test_an_integer_input_is_refused_whatever_the_compute_dtype(compute_dtype):
+  """The result has ``x``'s dtype: an integer ``x`` with a floating ``compute_dtype`` came back
+  truncated to zeros."""
+  with pytest.raises(ValueError, match="needs a floating x, got x of int32"):
+    newton_schulz(jnp.ones((4, 4), jnp.int32), compute_dtype=compute_dtype)
+  with pytest.raises(ValueError, match="needs x of a floating dtype of 16 bits or more, got float8_e4m3fn; pass "
+                                       "compute_dtype="):
+    newton_schulz(jnp.ones((4, 4), jnp.float8_e4m3fn))
+  assert newton_schulz(jnp.eye(4, dtype=jnp.float8_e4m3fn), compute_dtype=jnp.float32).dtype == jnp.float8_e4m3fn
 
 
 def test_rank_one_input_raises():

@@ -34,13 +34,14 @@ their top half rows and bottom-right block, mirrored (``symmetric``): 3/4 of the
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._util import power_of_two_below
+from .._util import check_number, power_of_two_below
 from .precision import (FLOAT16, first_step_parts, iterate_scale, matmul, products, restarts as policy_restarts,
                         uses_gram)
 from .presets import GRAM_ASPECT, gram_restarts, resolve_coeffs, resolve_options, resolve_steps
@@ -165,17 +166,21 @@ def newton_schulz(
   x = jnp.asarray(x)
   if x.ndim < 2:
     raise ValueError(f"newton_schulz needs an array of rank >= 2, got shape {x.shape}")
+  if not jnp.issubdtype(x.dtype, jnp.floating):  # the result has x's dtype: an integer one would truncate it to 0
+    raise ValueError(f"newton_schulz needs a floating x, got x of {x.dtype}")
   dtype = jnp.dtype(compute_dtype) if compute_dtype is not None else x.dtype
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"compute_dtype must be a floating dtype, got {dtype}" if compute_dtype is not None else
-                     f"newton_schulz needs a floating x or a floating compute_dtype, got x of {dtype}")
+  if not jnp.issubdtype(dtype, jnp.floating) or jnp.finfo(dtype).bits < 16:  # 8 bits: no promotion with float32
+    raise ValueError(f"compute_dtype must be a floating dtype of 16 bits or more, got {dtype}" if compute_dtype
+                     is not None else f"newton_schulz needs x of a floating dtype of 16 bits or more, got {dtype}; "
+                     "pass compute_dtype=")
+  check_number("eps", eps, low=0.0, high=math.inf, low_open=True, high_open=True)  # 0: a zero x is 0 / 0
   if x.size == 0:  # a (0, n) or (m, 0) matrix, or an empty batch: nothing to orthogonalize
     return jnp.zeros(x.shape, x.dtype)
   tall = x.shape[-2] > x.shape[-1]  # then A = X^T X and X <- a X + X B^T, no transposes
   m, n = min(x.shape[-2:]), max(x.shape[-2:])
   gram = uses_gram(method, m, n, precision, GRAM_ASPECT)
   prec = products(precision, gram, m, n)
-  xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  xf = x.astype(jnp.float64 if x.dtype == jnp.float64 else jnp.float32)
   # x 2^-e 2^-k, exact before the cast (power_of_two_scale), with ||X||_F in [1/2, 1): the norm's
   # scale, norm_scale * ||X|| + eps 2^-e 2^-k, is folded into the first step (first_scale).
   e = power_of_two_scale(jnp.max(jnp.abs(xf), axis=(-2, -1), keepdims=True))
