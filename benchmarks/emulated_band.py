@@ -7,6 +7,7 @@
   python benchmarks/emulated_band.py --more     # 15 other inputs on 11 other shapes (~10 min)
   python benchmarks/emulated_band.py --small    # spectra ending just above the cutoff, sides 4 to 32
   python benchmarks/emulated_band.py --clusters # a flat tail just above the cutoff, sides 8 to 768
+  python benchmarks/emulated_band.py --localized # the same tail in a small block of a larger matrix
 
 For each emulated backend (``tests/_emulated_backend.py``: float32 dots that name no
 precision get bf16 operands on "tpu", TF32 on "gpu", exact float32 on "cpu"), each
@@ -42,6 +43,11 @@ value measured.
 spectra with one or four singular values at 1 and the rest at 3.02e-3 or 3.1e-3 of the norm
 (``cluster_kinds``), 1.007 and 1.03 times the cutoff: where the 8-bit rounding of a float32 input
 (a TPU's one pass, bfloat16 compute) moves them below it, most on the smallest matrices.
+
+``--localized`` puts the same spectra (one singular value at 1, the rest at 1.007 or 1.03 times
+the cutoff) in a ``b x c`` block (``LOCALIZED_BLOCKS``: 4x8 to 32x32) of a zero matrix of
+``LOCALIZED_SHAPES`` (65x64 to 256x1024), 5 draws each: a gradient that lies in a few rows and
+columns is rounded like a matrix of the block's size, whatever the matrix's.
 
 ``--flops`` prints instead the GPU policy's matmul FLOPs, traced (no arrays) on the
 shapes (4096x16384, 4096x4096, a 64x2048x7168 expert stack) as if on a GPU, against
@@ -196,6 +202,26 @@ def cluster_kinds(m: int, n: int, rng: np.random.Generator) -> dict[str, np.ndar
   return out
 
 
+LOCALIZED_SHAPES = ((65, 64), (128, 128), (128, 256), (256, 1024))
+LOCALIZED_BLOCKS = ((4, 8), (4, 32), (8, 8), (16, 16), (32, 32))
+
+
+def localized_kinds(m: int, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+  """``--localized``' inputs of one ``m x n`` shape (module docstring): 5 draws of each block."""
+  out = {}
+  for b, c in LOCALIZED_BLOCKS:
+    k = min(b, c)
+    for draw in range(5):
+      u, _ = np.linalg.qr(rng.standard_normal((b, k)))
+      v, _ = np.linalg.qr(rng.standard_normal((c, k)))
+      for rel in (3.02e-3, 3.1e-3):
+        small = rel / np.sqrt(1 - (k - 1) * rel**2)
+        g = np.zeros((m, n))
+        g[:b, :c] = (u * np.array([1.0] + [small] * (k - 1))) @ v.T
+        out[f"{b}x{c} block, the rest at {rel:g} #{draw}"] = g
+  return out
+
+
 def more(shapes=MORE_SHAPES, kinds=more_kinds, what="other inputs and shapes") -> None:
   """The ``--more`` sweep (module docstring); ``--small``'s with its shapes and kinds."""
   print(f"JAX {jax.__version__}, emulated backends; {what}\n")
@@ -243,6 +269,8 @@ def main() -> None:
   parser.add_argument("--small", action="store_true", help="small matrices, spectra ending just above the cutoff")
   parser.add_argument("--clusters", action="store_true",
                       help="sides 8 to 768, one or four large singular values and the rest just above the cutoff")
+  parser.add_argument("--localized", action="store_true",
+                      help="--clusters' spectra in a small block of a larger matrix")
   args = parser.parse_args()
   if args.more:
     return more()
@@ -250,6 +278,8 @@ def main() -> None:
     return more(SMALL_SHAPES, small_kinds, "small matrices, spectra ending just above the cutoff")
   if args.clusters:
     return more(CLUSTER_SHAPES, cluster_kinds, "a flat tail of singular values just above the cutoff")
+  if args.localized:
+    return more(LOCALIZED_SHAPES, localized_kinds, "a flat tail just above the cutoff in a small block")
   if args.flops:
     return flops()
   if args.large:
