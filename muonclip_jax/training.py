@@ -147,7 +147,8 @@ def make_train_step(
       (metric ``exact_clip_passes``); the last one's largest max logit is the metric
       ``exact_clip_max_logit``, above tau (1 + rtol) only where the logits do not follow the
       query/key kernels (a QK-norm the layout does not declare, weights shared across
-      depth) after one clip per attention layer; use it with
+      depth) after one clip per attention layer, or where a maximum is +inf or NaN (which
+      no clip scales: see ``qk_clip``); use it with
       ``muon_adamw`` (or with ``muonclip``, which then clips twice). Under
       ``multi_steps``/``optax.MultiSteps`` it runs only at the micro-step that updates the
       weights (``exact_clip_passes`` is 0 at the others).

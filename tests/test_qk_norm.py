@@ -266,7 +266,8 @@ def test_a_qk_norm_of_any_norm_like_name_is_refused_undeclared_and_clipped_decla
 def test_norm_like_names_are_read_on_stacked_layers():
   """Two scanned layers (every leaf with a leading layer axis, maxima (2, H)): a norm named for the
   query and key is refused, one of Flax's own names warned about, and neither an input norm over
-  ``H * HD`` features nor a gain without the layers' leading axis is taken for a QK-norm."""
+  ``H * HD`` features nor a gain without the layers' leading axis nor a quantized projection's
+  per-channel ``scale`` beside its ``kernel`` is taken for a QK-norm."""
   def params(q, k, extra=None, leaf="scale"):
     attn = {"query": {"kernel": np.ones((2, H * HD, H, HD), np.float32)},
             "key": {"kernel": np.ones((2, H * HD, H, HD), np.float32)},
@@ -279,7 +280,9 @@ def test_norm_like_names_are_read_on_stacked_layers():
     qk_clip(params("q_rms", "k_rms"), ml, qk_clip_threshold=1.0, layout=lay)
   with pytest.warns(UserWarning, match=r"\['RMSNorm_0', 'RMSNorm_1'\]\)"):
     qk_clip(params("RMSNorm_0", "RMSNorm_1"), ml, qk_clip_threshold=1.0, layout=lay)
-  unstacked = params("q_proj_bias", "k_proj_bias", {"RMSNorm_0": {"scale": np.ones((HD,), np.float32)}}, leaf="b")
+  quantized = {"kernel": np.ones((2, H * HD, H, HD), np.int8), "scale": np.ones((2, H, HD), np.float32)}
+  unstacked = params("q_proj_bias", "k_proj_bias", {"RMSNorm_0": {"scale": np.ones((HD,), np.float32)},
+                                                    "wv": quantized}, leaf="b")  # an int8 projection's scale
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     qk_clip(unstacked, ml, qk_clip_threshold=1.0, layout=lay)  # no QK-norm found: the kernels are clipped

@@ -35,7 +35,8 @@ with a norm that its layout does not declare is a ValueError naming the norm: a 
 a known QK-norm name (``NORM_NAMES``) holding a gain, whatever its leaf is called, or a
 norm-like one (``_norm_like``: ``q_ln``, ``norm_q``, ``qn``, ...) whose gain has a QK-norm's shape
 and whose name says query or key. A norm-like one of another name (Flax's own ``RMSNorm_0``), or
-any sub-module whose gain of such a shape is a leaf ``scale`` (Flax's norms' name for it), is a
+any sub-module holding only a ``scale`` of such a shape (Flax's norms' name for the gain; a
+``bias`` beside it), is a
 UserWarning: it may as well normalize the input, the values or the output, or scale the query
 linearly. A norm without a gain (an L2 norm, ``use_scale=False``) is not seen in the parameters.
 """
@@ -75,15 +76,16 @@ def _words(name: str) -> list[str]:
   return [w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+", name)]
 
 
-def _norm_like(name: str, gain: str, shape: tuple, lay: GQALayout, stack: tuple) -> bool:
+def _norm_like(name: str, gain: str, leaves: set, shape: tuple, lay: GQALayout, stack: tuple) -> bool:
   """A sub-module whose name says norm (Flax's own names ``RMSNorm_0``, ``LayerNorm_1``; ``q_ln``,
-  ``norm_q``, ``qnorm``, ``q_rms``, ``qn``) or whose gain is a leaf ``scale`` (Flax's norms' name for
-  it), not of the value or output, holding a gain of a QK-norm's shape after the maxima's
+  ``norm_q``, ``qnorm``, ``q_rms``, ``qn``) or whose ``leaves`` (its own leaf names) are a gain
+  ``scale`` (Flax's norms' name for it) and at most a ``bias`` (not a quantized projection's
+  ``kernel`` and ``scale``), not of the value or output, holding a gain of a QK-norm's shape after the maxima's
   stacked-layer shape ``stack``: ``(head_dim,)`` (shared by heads) or ``(heads, head_dim)``, or, for
   a name that also says query or key, ``(heads * head_dim,)`` (which an input norm of ``heads *
   head_dim`` features has as well)."""
   words = _words(name)
-  if not (_says_norm(name) or gain == f"{name}/scale"):
+  if not (_says_norm(name) or gain == f"{name}/scale" and set(leaves) <= {"scale", "bias"}):
     return False
   if any(w in ("v", "value", "values", "o", "out", "output", "vnorm", "onorm", "vn") for w in words):
     return False
@@ -126,8 +128,9 @@ def check_undeclared(module: str, lay: GQALayout, shapes: Mapping[str, tuple], c
   unsure = []
   for n in dict.fromkeys(k.partition("/")[0] for k in shapes if "/" in k):
     gain = gain_key(n, shapes)
-    if n not in sure and n not in projections and gain is not None and _norm_like(n, gain, tuple(shapes[gain]), lay,
-                                                                                   stack):
+    own = {k[len(n) + 1:] for k in shapes if k.startswith(n + "/")}
+    if n not in sure and n not in projections and gain is not None and _norm_like(n, gain, own, tuple(shapes[gain]),
+                                                                                   lay, stack):
       (sure if _says_norm(n) and _says_qk(n) else unsure).append(n)
   found = sure or unsure
   if not found:
@@ -144,8 +147,9 @@ def check_undeclared(module: str, lay: GQALayout, shapes: Mapping[str, tuple], c
       "Gemma 4's QK-norm computes x * scale: leave it at 0)")
   if sure:
     raise ValueError(message)
-  warnings.warn(f"{message}. If they normalize the attention's input, values or output instead, the clip "
-                "acts on the kernels as it should: ignore this warning", UserWarning, stacklevel=2)
+  warnings.warn(f"{message}. If they normalize the attention's input, values or output instead, or scale the "
+                "query or key linearly, the clip acts on the kernels as it should: ignore this warning",
+                UserWarning, stacklevel=2)
 
 
 def _kind(module: str, gain: str, shape: tuple, stack: tuple, heads: int, head_dim: int, caller: str) -> str:

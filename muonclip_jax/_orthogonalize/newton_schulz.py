@@ -93,7 +93,8 @@ def newton_schulz(
       scale-invariant), without overflow or NaN.
     compute_dtype: dtype of the iteration (e.g. ``jnp.bfloat16`` on accelerators);
       defaults to ``x.dtype``. Norms are always taken in float32 (float64 for a float64
-      ``x``, whose scales and norm keep its range and precision). With ``"gram"`` only the
+      ``x``, whose scales and norm keep its range and precision; the split path of
+      ``shard_split`` forms its ``m x m`` matrices in float32 whatever the dtype). With ``"gram"`` only the
       ``m x n`` products run in ``compute_dtype`` (accumulating in float32); the ``m x m``
       iteration runs in float32 (or wider), and in a low-precision dtype the final
       ``Q X_0`` splits ``Q`` into a high and a low part (two products) so that ``Q``'s
@@ -226,6 +227,8 @@ def power_of_two_scale(v: jax.Array, hi: int | None = None) -> jax.Array:
     input's two scales make ``2^127``, finite: no ``inf * 0`` where they are multiplied together
     or squared (the split iteration's ``A f^2``).
   """
+  if jnp.dtype(v.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)):
+    raise ValueError(f"power_of_two_scale needs float32 or float64, got {v.dtype}")
   bias = int(jnp.finfo(v.dtype).maxexp) - 1
   return power_of_two_below(v, 0, 1 - bias, bias - 1 if hi is None else hi)
 
@@ -293,7 +296,7 @@ def first_scale(A: jax.Array, schatten4: bool, norm_scale: float, floor: jax.Arr
   ``X`` stays zero at any scale; 1 keeps the step's factors finite whatever the floor (``1 / eps``
   would overflow a float16 operand, and ``inf * 0`` is NaN).
   """
-  af = A.astype(jnp.float32)
+  af = A.astype(jnp.promote_types(A.dtype, jnp.float32))
   if schatten4:
     norm = jnp.sqrt(jnp.sqrt(jnp.sum(af * af, axis=(-2, -1), keepdims=True)))
   elif fro is not None:

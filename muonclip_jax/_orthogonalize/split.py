@@ -136,7 +136,7 @@ def iterate(x: jax.Array, it: dict, axes: tuple[str, ...], g: int) -> jax.Array:
   m = x.shape[-2]
   r = m // g
   p = jax.lax.axis_index(axes)
-  xf = x.astype(jnp.float64 if x.dtype == jnp.float64 else jnp.float32)
+  xf = x.astype(jnp.float64 if x.dtype == jnp.float64 else jnp.float32)  # float64: its range; A stays float32
   # x scaled by powers of two (exact before the cast), as newton_schulz scales it: first below its
   # largest magnitude (|x e| < 4: no square overflows), then below the Frobenius norm, read from
   # the trace of the first Gram matrix (the Gram iteration's G: in chunks), scaled alike. The
