@@ -233,9 +233,10 @@ class _NamedNormAttention(nn.Module):
     return nn.DenseGeneral(H * HD, axis=(-2, -1), name="out")(mnn.dot_product_attention(q, k, v))
 
 
-@pytest.mark.parametrize("names,refused", [((None, None), False), (("q_ln", "k_ln"), True), (("norm_q", "norm_k"), True),
-                                           (("qnorm", "knorm"), True), (("q_rms", "k_rms"), True),
-                                           (("qn", "kn"), True), (("q_gain", "k_gain"), False)])
+@pytest.mark.parametrize("names,refused", [((None, None), False), (("q_ln", "k_ln"), True),
+                                           (("norm_q", "norm_k"), True), (("qnorm", "knorm"), True),
+                                           (("q_rms", "k_rms"), True), (("qn", "kn"), True),
+                                           (("q_gain", "k_gain"), False)])
 def test_a_qk_norm_of_any_norm_like_name_is_refused_undeclared_and_clipped_declared(names, refused):
   """Not only the usual names: a norm-like sub-module whose name says query or key, holding a gain
   of a QK-norm's shape, is refused undeclared (the clip would report heads clipped and change no

@@ -80,8 +80,8 @@ def _norm_like(name: str, gain: str, leaves: set, shape: tuple, lay: GQALayout, 
   """A sub-module whose name says norm (Flax's own names ``RMSNorm_0``, ``LayerNorm_1``; ``q_ln``,
   ``norm_q``, ``qnorm``, ``q_rms``, ``qn``) or whose ``leaves`` (its own leaf names) are a gain
   ``scale`` (Flax's norms' name for it) and at most a ``bias`` (not a quantized projection's
-  ``kernel`` and ``scale``), not of the value or output, holding a gain of a QK-norm's shape after the maxima's
-  stacked-layer shape ``stack``: ``(head_dim,)`` (shared by heads) or ``(heads, head_dim)``, or, for
+  ``kernel`` and ``scale``), not of the value or output, holding a gain of a QK-norm's shape
+  after the maxima's stacked-layer shape ``stack``: ``(head_dim,)`` (shared by heads) or ``(heads, head_dim)``, or, for
   a name that also says query or key, ``(heads * head_dim,)`` (which an input norm of ``heads *
   head_dim`` features has as well)."""
   words = _words(name)

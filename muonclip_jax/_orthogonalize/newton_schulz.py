@@ -94,9 +94,10 @@ def newton_schulz(
     compute_dtype: dtype of the iteration (e.g. ``jnp.bfloat16`` on accelerators);
       defaults to ``x.dtype``. Norms are always taken in float32 (float64 for a float64
       ``x``, whose scales and norm keep its range and precision; the split path of
-      ``shard_split`` forms its ``m x m`` matrices in float32 whatever the dtype). With ``"gram"`` only the
-      ``m x n`` products run in ``compute_dtype`` (accumulating in float32); the ``m x m``
-      iteration runs in float32 (or wider), and in a low-precision dtype the final
+      ``shard_split`` forms its ``m x m`` matrices in float32 whatever the dtype). With
+      ``"gram"`` only the ``m x n`` products run in ``compute_dtype`` (accumulating in
+      float32); the ``m x m`` iteration runs in float32 (or wider), and in a low-precision
+      dtype the final
       ``Q X_0`` splits ``Q`` into a high and a low part (two products) so that ``Q``'s
       growth does not amplify its rounding. (The ``"float16"`` policy, ``precision``, rounds
       every operand to float16 whatever the dtype.)
