@@ -97,7 +97,9 @@ def muonclip(
   must be named in ``static_args`` (inject_hyperparams takes every callable for a schedule
   and calls it with the step count: a mask such as ``lambda p: jax.tree.map(lambda x: x.ndim
   >= 2, p)`` then returns ``False`` and turns weight decay off everywhere, silently, as for
-  ``optax.adamw(mask=...)``); a ``MatrixAxes`` or a pytree is static as it is.
+  ``optax.adamw(mask=...)``); a ``MatrixAxes`` or a pytree is static as it is. So must a dtype
+  given as a type (``compute_dtype=jnp.bfloat16``, ``mu_dtype=...``: a callable too), else a
+  TypeError says so; a string (``"bfloat16"``) is static as it is.
 
   See ``qk_clip_transform`` for the (at most one-ulp) rounding difference between this and
   calling ``qk_clip`` on ``optax.apply_updates(params, updates)`` yourself.

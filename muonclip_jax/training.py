@@ -22,7 +22,7 @@ import optax
 
 from ._clip import (CAPTURE_HINT, check_layout, check_opt_state, exact_clip_step, exact_qk_clip, exact_rtol,
                     LayoutSpec, nest_max_logits, reported_layouts)
-from ._util import check_bool, check_number
+from ._util import check_bool, check_float_dtype, check_number, check_positive_int
 from ._train import (applied_clip_metrics, capturing_forward, clip_metrics, grad_norm, loss_grads_maxima, LossFn,
                      maxima_on, metrics_to_floats, optimizer_clip, optimizer_clip_metrics, OptStateView,
                      step_threshold, threshold_metrics, view_opt_state)
@@ -151,7 +151,10 @@ def make_train_step(
       no clip scales: see ``qk_clip``); use it with
       ``muon_adamw`` (or with ``muonclip``, which then clips twice). Under
       ``multi_steps``/``optax.MultiSteps`` it runs only at the micro-step that updates the
-      weights (``exact_clip_passes`` is 0 at the others).
+      weights (``exact_clip_passes`` is 0 at the others), on that call's batch alone: the
+      earlier micro-steps' batches are gone, so the bound (and ``exact_clip_max_logit``)
+      covers the last micro-batch only; ``num_microbatches`` holds every microbatch in one
+      call and bounds the whole batch.
 
   Returns:
     The step function; ``rng`` (optional) is a key handed to ``loss_fn`` (split per
@@ -203,18 +206,20 @@ def make_train_step(
      'num_above_threshold', 'num_clipped', 'qk_clip_threshold', 'qk_clip_threshold_valid']
 
   Raises:
-    TypeError: ``exact_clip`` that is not a bool.
+    TypeError: ``exact_clip`` that is not a bool; a ``compute_dtype`` that is not a floating
+      dtype of 16 bits or more (an integer one would truncate the weights, and their
+      gradients would be zero).
     ValueError: at the first trace, when ``loss_fn`` captured no maxima and something needs
       them (see ``loss_fn``), when ``exact_clip`` has no layout or two (see ``layout``), when the optimizer has a transform after its QK-Clip,
       wraps the clip in a plain ``optax.MultiSteps`` (use ``muonclip_jax.multi_steps``), or
       its state does not fit the params in structure or shape (e.g. restored from another
       model); see ``muonclip_jax.check_opt_state``.
   """
-  if not isinstance(num_microbatches, int) or num_microbatches < 1:
-    raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
+  check_positive_int("num_microbatches", num_microbatches)
   if qk_clip_threshold is not None and not callable(qk_clip_threshold):
     check_number("qk_clip_threshold", qk_clip_threshold, low=0.0, low_open=True)
   check_bool("exact_clip", exact_clip)
+  check_float_dtype("compute_dtype", compute_dtype, none_means="the params' own")
   if layout is not None:
     check_layout(layout, "make_train_step")
   opt = optax.with_extra_args_support(optimizer)

@@ -22,6 +22,7 @@ import muonclip_jax as mc
 from muonclip_jax import nn as mnn
 from muonclip_jax import sharding, training
 from muonclip_jax._train import clip_metrics
+from _exactness import assert_same_math
 
 LAYOUT = mc.GQALayout(num_heads=2, num_kv_heads=2, head_dim=4)
 MAXIMA = {"attn": {"max_logits": jnp.array([400.0, 50.0])}}
@@ -79,6 +80,41 @@ def test_boolean_options_refuse_strings_numbers_and_none():
   optax.inject_hyperparams(mc.muon)(0.1, nesterov=False).init(params)
   with pytest.raises(TypeError, match="nesterov must be a bool"):
     optax.inject_hyperparams(mc.muon)(0.1, nesterov=jnp.array(True)).init(params)
+
+
+def test_make_train_step_refuses_a_compute_dtype_that_is_no_float_and_a_bool_microbatch_count():
+  """An integer ``compute_dtype`` truncated the weights of the forward pass and left every gradient
+  zero (weight decay alone moved them); ``num_microbatches=True`` read as 1."""
+  loss_fn = lambda p, b: (jnp.sum(p["w"] * b), None)  # noqa: E731
+  for dtype in (jnp.int32, jnp.bool_, "foo", jnp.float8_e4m3fn):
+    with pytest.raises(TypeError, match=re.escape(f"compute_dtype must be a floating dtype of 16 bits or more "
+                                                  f"(float32, bfloat16, float16) or None for the params' own, got")):
+      training.make_train_step(loss_fn, optax.sgd(0.1), compute_dtype=dtype)
+  for k in (True, 0, 2.0):
+    with pytest.raises(ValueError, match=re.escape(f"num_microbatches must be an int >= 1, got {k!r}")):
+      training.make_train_step(loss_fn, optax.sgd(0.1), num_microbatches=k)
+  params = {"w": jnp.ones((2, 3))}
+  for dtype in (jnp.bfloat16, jnp.float16, None):  # taken: the step's gradient is the float one
+    _, _, metrics = training.make_train_step(loss_fn, optax.sgd(0.1), compute_dtype=dtype)(
+        params, optax.sgd(0.1).init(params), jnp.full((2, 3), 0.5))
+    assert float(metrics["grad_norm"]) == pytest.approx(np.sqrt(6) * 0.5)
+
+
+def test_a_dtype_under_inject_hyperparams_is_static_or_refused():
+  """``jnp.bfloat16`` is callable, so ``optax.inject_hyperparams`` took it for a schedule and traced a
+  bfloat16 scalar: the CPU's path read it as the dtype, the GPU's and TPU's failed to trace. Now it
+  is a TypeError naming ``static_args`` at ``init`` on any backend; named there, it is the dtype."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 8 * 16).reshape(8, 16)}
+  for factory, name in ((mc.muon, "compute_dtype"), (mc.muon, "mu_dtype"), (mc.muon_adamw, "compute_dtype")):
+    with pytest.raises(TypeError, match=re.escape(f"{name} is a dtype, fixed when the transform is built, got an "
+                                                  f"array") + ".*" + re.escape(f"static_args=({name!r},)")):
+      optax.inject_hyperparams(factory)(1.0, **{name: jnp.bfloat16}).init(params)
+    opt = optax.inject_hyperparams(factory, static_args=(name,))(1.0, **{name: jnp.bfloat16})
+    ref = factory(1.0, **{name: jnp.bfloat16})
+    got = opt.update(params, opt.init(params), params)[0]
+    assert_same_math(np.asarray(got["w"]), np.asarray(ref.update(params, ref.init(params), params)[0]["w"]))
+  with pytest.raises(TypeError, match="compute_dtype is a dtype"):
+    mc.scale_by_muon(compute_dtype=jnp.zeros((), jnp.bfloat16))
 
 
 def test_negative_constant_learning_rates_are_refused():

@@ -60,7 +60,7 @@ def muon(
     weight_decay: decoupled weight decay (Moonlight/Kimi: 0.1), a number >= 0 or a schedule.
     weight_decay_mask: optional mask or callable, as in ``optax.add_decayed_weights``. Under
       ``optax.inject_hyperparams`` name a callable in ``static_args``: it would be taken for a
-      schedule (see ``muonclip``).
+      schedule (see ``muonclip``); so must a dtype type such as ``compute_dtype=jnp.bfloat16``.
     beta, nesterov, ns_steps, ns_coeffs, ns_method, ns_normalize, ns_restarts, ns_precision, ns_batch,
       eps, compute_dtype, mu_dtype, rms_match, rms_scale, matrix_axes, layout, muon_blocks,
       shard_orthogonalization, shard_split: the options of ``scale_by_muon``, with its

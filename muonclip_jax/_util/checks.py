@@ -53,16 +53,24 @@ def check_positive_int(name: str, value: object, *, allow_zero: bool = False) ->
     raise ValueError(f"{name} must be an int {bound}, got {value!r}")
 
 
-def check_float_dtype(name: str, value: Any) -> None:
-  """A dtype option with None for the gradient's: a floating dtype of 16 bits or more (an 8-bit float
-  does not promote with float32); anything else (an int dtype, "foo", 3) is a TypeError naming it."""
+def check_float_dtype(name: str, value: Any, *, none_means: str = "the gradient's") -> None:
+  """A dtype option with None for ``none_means``: a floating dtype of 16 bits or more (an 8-bit float
+  does not promote with float32); anything else (an int dtype, "foo", 3) is a TypeError naming it.
+
+  An array is refused too: ``optax.inject_hyperparams`` takes a dtype such as ``jnp.bfloat16``,
+  a callable, for a schedule, and hands the factory a traced scalar of that dtype, which the
+  CPU's path happened to read as the dtype and the GPU's and TPU's fail to trace."""
+  if isinstance(value, (jax.Array, np.ndarray)):
+    raise TypeError(f"{name} is a dtype, fixed when the transform is built, got an array {value!r}: under "
+                    f"optax.inject_hyperparams name it in static_args=({name!r},) (a dtype is callable, "
+                    f"which inject_hyperparams takes for a schedule)")
   try:
     ok = value is None or (jnp.issubdtype(value, jnp.floating) and jnp.finfo(value).bits >= 16)
   except TypeError:  # not a dtype at all
     ok = False
   if not ok:
     raise TypeError(f"{name} must be a floating dtype of 16 bits or more (float32, bfloat16, float16) or None "
-                    f"for the gradient's, got {value!r}")
+                    f"for {none_means}, got {value!r}")
 
 
 def check_bool(name: str, value: Any, *, allow_none: bool = False) -> None:
