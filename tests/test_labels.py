@@ -139,12 +139,41 @@ def test_label_tree_and_callable_override():
         ("layers/norm/scale", (4, 64), "adam"),
         ("layers/mlp/kernel", (4, 64, 256), "muon"),
         ("heads/kernel", (64, 64), "muon"),  # "heads" is not "head"
+        ("model/final_logits_bias", (1, 100), "adam"),  # Bart's: a vector stored as a row
+        ("value_head/kernel", (64, 1), "adam"),
+        ("layers/mlp/kernel", (1, 64, 256), "muon"),  # one stacked layer: still a matrix
+        # In a numbered layer a head name is the layer's own projection (BERT), unless shaped like
+        # an embedding table (DeepSeek-V3's multi-token-prediction head).
+        ("bert/encoder/layer/0/output/dense/kernel", (256, 64), "muon"),
+        ("bert/encoder/layer/0/attention/output/dense/kernel", (64, 64), "muon"),
+        ("model/layers/61/shared_head/head/weight", (100, 64), "adam"),
+        ("model/layers/61/shared_head/head/weight", (128, 64), "muon"),
     ],
 )
 def test_default_label_rules(path, shape, label):
   from muonclip_jax._muon.labels import default_label
 
-  assert default_label(path, shape) == label
+  assert default_label(path, shape, vocab=frozenset({(100, 64)})) == label
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers: "Flax classes are deprecated"
+def test_hugging_face_bert_layers_go_to_muon_whatever_their_output_names():
+  """FlaxBert's ``layer/N/output/dense`` (the MLP's down projection) and ``attention/output/dense``
+  (the attention's output) are hidden matrices; the embeddings, norms and biases go to AdamW."""
+  bert = pytest.importorskip("transformers.models.bert.modeling_flax_bert")
+  config = bert.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, max_position_embeddings=16)
+  with jax.numpy_rank_promotion("allow"):  # transformers' own bias add
+    model = bert.FlaxBertForMaskedLM(config, _do_init=False)
+    params = jax.eval_shape(lambda: model.init_weights(jax.random.key(0), (1, 8)))
+  flat = {jax.tree_util.keystr(p, simple=True, separator="/"): label
+          for p, label in jax.tree_util.tree_leaves_with_path(mc.muon_labels(params))}
+  muon = sorted(p for p, label in flat.items() if label == "muon")
+  per_layer = ["attention/output/dense", "attention/self/key", "attention/self/query", "attention/self/value",
+               "intermediate/dense", "output/dense"]
+  assert muon == sorted([f"bert/encoder/layer/{i}/{m}/kernel" for i in range(2) for m in per_layer]
+                        + ["cls/predictions/transform/dense/kernel"])
+  assert all(flat[p] == "adam" for p in flat if "embeddings" in p or "LayerNorm" in p or p.endswith("bias"))
 
 
 def test_boxed_params_are_routed_by_path_without_value_suffix():

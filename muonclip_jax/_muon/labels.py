@@ -133,18 +133,19 @@ def default_label(path: str, shape: tuple[int, ...], names: tuple | None = None,
 
 def _matrix_or_adam(parts: list[str], shape: tuple[int, ...], names: tuple | None,
                     vocab: frozenset[tuple[int, int]], role: str | None, numbered: bool) -> str:
-  if len(shape) < 2 or role not in (None, MATRIX, STACKED_VECTOR):
+  if len(shape) < 2 or (len(shape) == 2 and 1 in shape) or role not in (None, MATRIX, STACKED_VECTOR):
     return ADAM
   if role is None and parts and (parts[-1] in _VECTOR_LEAF_NAMES or any(_is_norm(p) for p in parts)):
     return ADAM
-  if any(w in p for p in parts for w in _EMBEDDING_WORDS) or any(p in _HEAD_NAMES for p in parts):
+  vocab_shaped = len(shape) == 2 and any(shape in ((v, w), (w, v)) for v, w in vocab)
+  if any(w in p for p in parts for w in _EMBEDDING_WORDS) or (
+      any(p in _HEAD_NAMES for p in parts) and (not numbered or vocab_shaped)):
     return ADAM
   # a router's expert axis is its matrix's output (``("embed", "exp")``), not a batch axis
   batch = STACK_NAMES if names is None else router_batch_names("/".join(parts), names)
   if names is not None and (VOCAB in names or sum(n not in batch for n in names) < 2):
     return ADAM
-  if (len(shape) == 2 and names is None and not numbered
-      and any(shape in ((v, w), (w, v)) for v, w in vocab)):
+  if names is None and not numbered and vocab_shaped:
     return ADAM
   return ADAM if role == STACKED_VECTOR else MUON
 
@@ -201,7 +202,9 @@ def muon_labels(params: Any, *, router: str = MUON) -> Any:
      leaves unchanged (no update, no weight decay). Label a routing bias of another name
      ``"frozen"`` yourself (``labels=``), or keep it outside the params (see
      ``docs/your-model.md``, "Mixture of experts").
-  1. rank < 2 (biases, norm scales, any vector): AdamW.
+  1. rank < 2 (biases, norm scales, any vector), or a 2-D leaf with an axis of size 1 (a vector
+     stored as a row or a column: Bart's ``final_logits_bias`` ``(1, vocab)``, a projection to
+     one output): AdamW.
   2. what the type of the layer that owns the leaf says it is (Equinox): a bias
      (``Linear.bias``), a norm's gain (``LayerNorm``, ``RMSNorm``, ``GroupNorm``,
      ``BatchNorm``) or an embedding table (``Embedding``):
@@ -216,7 +219,11 @@ def muon_labels(params: Any, *, router: str = MUON) -> Any:
      leaf name): AdamW.
   6. a path component named ``lm_head``, ``head``, ``unembed``, ``output``, ``output_head``,
      ``output_layer``, ``logits``, ``logits_dense`` or ``classifier`` (output heads; MaxText's
-     is ``logits_dense``): AdamW. Whole components only: ``heads`` is not ``head``.
+     is ``logits_dense``): AdamW. Whole components only: ``heads`` is not ``head``. Inside a
+     numbered layer (rule 8) only for a leaf of a token-embedding table's shape (DeepSeek-V3's
+     multi-token-prediction head ``layers/61/shared_head/head``): elsewhere there the name is
+     the layer's own projection (BERT's ``layer/0/output/dense`` and
+     ``layer/0/attention/output/dense``: Muon).
   7. logical axis names (``names``; Linen boxes, NNX ``sharding`` metadata, short specs
      padded with None as Flax pads them) with a ``"vocab"`` axis, or with fewer than two
      axes besides the layer and expert axes (a vector per layer of a stack, a bias per
