@@ -391,6 +391,38 @@ def test_head_groups_equal_the_by_hand_groups_on_every_storage_form(group_update
   assert_same_math(out["group:2+out"]["dense"]["wq"], out["group:kv+out"]["dense"]["wq"])
 
 
+@pytest.mark.parametrize("heads, kv", [(4, 2), (2, 2)])
+def test_qkv_grouped_by_kv_head_is_cut_into_its_parts_and_heads(heads, kv):
+  """``Projection(qkv, grouped=True)`` (Bloom, GPT-NeoX: per key/value head its query heads, its key,
+  its value): "part" takes every query column as one matrix, and the keys and the values; "group:kv"
+  each group's query heads and each key/value head; "head" every head; "matrix" the whole kernel."""
+  g = heads // kv
+  rng = np.random.default_rng(9)
+  kernel = jnp.asarray(rng.standard_normal((IN, kv * (g + 2) * D)), jnp.float32)
+  lay = mc.GQALayout(heads, kv, D, qkv=mc.Projection("qkv", grouped=True), out=None)
+  params = {"attn": {"qkv": {"kernel": kernel}}}
+  got = {}
+  for blocks in ("part", "group:kv", "head", "matrix"):
+    opt = mc.scale_by_muon(layout=lay, muon_blocks=blocks)
+    got[blocks] = np.asarray(jax.jit(opt.update)(params, opt.init(params))[0]["attn"]["qkv"]["kernel"])
+  d = _direction(kernel).reshape(IN, kv, g + 2, D)  # by key/value group: g query heads, k, v
+
+  def whole(x):
+    return _ns_blocks(x.reshape(IN, -1)[None])[0].reshape(x.shape)
+
+  part = jnp.concatenate([whole(d[:, :, :g]), whole(d[:, :, g:g + 1]), whole(d[:, :, g + 1:])], axis=2)
+  by_group = jnp.stack([jnp.concatenate([whole(d[:, j, :g]), whole(d[:, j, g:g + 1]), whole(d[:, j, g + 1:])],
+                                        axis=1) for j in range(kv)], axis=1)
+  want = {"part": part, "group:kv": by_group, "head": _by_cols(d.reshape(IN, -1), heads + 2 * kv).reshape(d.shape),
+          "matrix": whole(d)}
+  for blocks, w in want.items():
+    assert_same_math(got[blocks], np.asarray(w).reshape(IN, -1), err_msg=blocks)
+  assert not np.allclose(got["part"], got["head"], atol=1e-3)
+  with pytest.raises(ValueError, match=r"a block of 2 (query|key) heads would take columns of several key/value "
+                                       r"groups of a fused projection grouped by key/value head \(1 per group\)"):
+    mc.scale_by_muon(layout=lay, muon_blocks="group:2").init(params)
+
+
 def test_group_of_one_head_is_head_and_of_all_heads_is_matrix(group_updates):
   _, out = group_updates
   for m, kernels in out["head+out"].items():

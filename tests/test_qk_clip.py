@@ -219,6 +219,69 @@ def test_idempotent(lay, seed, fraction, bias):
     chex.assert_trees_all_equal(twice, once)
 
 
+def _by_kv_group(q, k, v, lay):
+  """Separate ``(..., in, heads * D)`` q, k, v as one fused kernel grouped by key/value head
+  (Bloom, GPT-NeoX): per key/value head its query heads, its key, its value."""
+  cols = lambda x, n: x.reshape(*x.shape[:-1], lay.num_kv_heads, n * lay.head_dim)  # noqa: E731
+  fused = np.concatenate([cols(q, lay.group_size), cols(k, 1), cols(v, 1)], axis=-1)
+  return fused.reshape(*fused.shape[:-2], -1)
+
+
+@settings(max_examples=20)
+@given(lay=_gqa_layouts(), seed=st.integers(0, 2**31), fraction=_FRACTIONS, bias=st.booleans(),
+       storage=st.sampled_from(["in_out", "out_in", "stacked"]))
+def test_qkv_grouped_by_kv_head_clips_as_separate_projections(lay, seed, fraction, bias, storage):
+  """``Projection(qkv, grouped=True)``: the columns of every query and key head get exactly the factors
+  that separate projections get (kernel and bias), the value columns none."""
+  params, inputs = _gqa_case(seed, lay, bias=bias)
+  attn = params["attn"]
+  s = np_max_logits(_logits(attn, inputs, lay)).astype(np.float32)
+  tau = _threshold(s, fraction)
+  want = qk_clip(params, {"attn": {"max_logits": s}}, qk_clip_threshold=tau, layout=lay)["attn"]
+  wv_bias = np.zeros(attn["wv"]["kernel"].shape[-1], np.float32) + 3.0
+  fused = {"kernel": _by_kv_group(*(attn[n]["kernel"] for n in ("wq", "wk", "wv")), lay)}
+  if bias:
+    fused["bias"] = _by_kv_group(attn["wq"]["bias"], attn["wk"]["bias"], wv_bias, lay)
+  axes, maxima = ("in", "out"), s
+  if storage == "out_in":
+    fused["kernel"], axes = fused["kernel"].T, ("out", "in")
+  elif storage == "stacked":  # two layers, the second with other maxima
+    fused = {n: np.stack([x, 2 * x]) for n, x in fused.items()}
+    axes, maxima = ("layers", "in", "out"), np.stack([s, s / 4])
+  grouped = GQALayout(lay.num_heads, lay.num_kv_heads, lay.head_dim, lay.clip_mode,
+                      qkv=mc.Projection("qkv", axes=None if storage == "in_out" else axes, grouped=True))
+  got = qk_clip({"attn": {"qkv": fused}}, {"attn": {"max_logits": maxima}}, qk_clip_threshold=tau,
+                layout=grouped)["attn"]["qkv"]
+  kernel = np.asarray(got["kernel"])
+  kernel = kernel.T if storage == "out_in" else kernel[0] if storage == "stacked" else kernel
+  np.testing.assert_allclose(kernel, _by_kv_group(*(np.asarray(want[n]["kernel"]) for n in ("wq", "wk", "wv")), lay),
+                             rtol=1e-6, atol=0)
+  if bias:
+    b = np.asarray(got["bias"])[0] if storage == "stacked" else np.asarray(got["bias"])
+    np.testing.assert_allclose(b, _by_kv_group(np.asarray(want["wq"]["bias"]), np.asarray(want["wk"]["bias"]),
+                                               wv_bias, lay), rtol=1e-6, atol=0)
+  if storage == "stacked":  # the second layer by its own maxima
+    want2 = qk_clip(params, {"attn": {"max_logits": s / 4}}, qk_clip_threshold=tau, layout=lay)["attn"]
+    np.testing.assert_allclose(np.asarray(got["kernel"])[1], 2 * _by_kv_group(
+        *(np.asarray(want2[n]["kernel"]) for n in ("wq", "wk", "wv")), lay), rtol=1e-6, atol=0)
+
+
+def test_grouped_is_declared_only_for_a_fused_qkv_with_flattened_columns():
+  with pytest.raises(ValueError, match=r"key=Projection\(name='wk'.*grouped=True orders the columns of a fused "
+                                       r"q\|k\|v projection, which is declared as qkv="):
+    GQALayout(4, 2, 3, key=mc.Projection("wk", grouped=True))
+  with pytest.raises(ValueError, match=r"grouped=True orders flattened columns, so its axes need an 'out' axis and "
+                                       r"no 'parts' axis, got axes=\('in', 'parts', 'heads', 'head_dim'\)"):
+    mc.Projection("qkv", axes=("in", "parts", "heads", "head_dim"), grouped=True)
+  with pytest.raises(TypeError, match=r"Projection\('qkv'\): grouped must be a bool"):
+    mc.Projection("qkv", grouped="yes")
+  # (in, 3, H, D) fits the block-ordered layout, never a grouped one: a ValueError, not a guess
+  lay = GQALayout(2, 2, 3, qkv=mc.Projection("qkv", grouped=True))
+  with pytest.raises(ValueError, match=r"attn/qkv/kernel has shape \(5, 3, 2, 3\).*fits no kernel form"):
+    qk_clip({"attn": {"qkv": {"kernel": jnp.ones((5, 3, 2, 3))}}}, {"attn": {"max_logits": jnp.ones(2)}},
+            qk_clip_threshold=0.5, layout=lay)
+
+
 # ----------------------------------------------------------------------------- exactness
 
 

@@ -135,6 +135,73 @@ def test_recipe_hf_gpt2(monkeypatch):
   hf_recipe_check(monkeypatch, mod, hf_gpt2, hf_gpt2.FlaxGPT2Attention, expected, exact_slices=value_rows)
 
 
+def test_hf_bloom_query_key_value_is_grouped_by_head(monkeypatch):
+  """Bloom's fused ``query_key_value`` (``(dim, heads * 3 * head_dim)``: every head's q, k, v in turn),
+  declared ``Projection(..., grouped=True)``: after ``qk_clip`` with the heads' maxima of q.k / sqrt(D)
+  on a batch, the recomputed q.k of every head is gamma_h times the old (tau for the clipped
+  heads, bit for bit the old for the others), in both layers, and every value column is kept."""
+  bloom = pytest.importorskip("transformers.models.bloom.modeling_flax_bloom")
+  heads, dim, layers = 4, 16, 2
+  model = bloom.FlaxBloomForCausalLM(bloom.BloomConfig(vocab_size=64, hidden_size=dim, n_layer=layers,
+                                                       n_head=heads), seed=0)
+  params = jax.tree.map(lambda x: x * 4, model.params)  # logits of a few units
+  tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, 64)
+
+  def qk(params):  # per layer: (heads, batch * queries * keys) q.k / sqrt(D), causal
+    store = []
+    monkeypatch.setattr(bloom, "dot_product_attention_weights", recording(store))
+    model(tokens, params=params)
+    jax.effects_barrier()
+    monkeypatch.undo()
+    out = []
+    for q, k, _ in store:
+      s = np.einsum("bqhd,bkhd->hbqk", np.float64(q), np.float64(k)) / np.sqrt(q.shape[-1])
+      out.append(np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf).reshape(heads, -1))
+    return out
+
+  before = qk(params)
+  maxima = np.stack([s.max(-1) for s in before]).astype(np.float32)
+  tau = float(np.median(maxima))
+  layout = mc.GQALayout(heads, heads, dim // heads, "query", qkv=mc.Projection("query_key_value", grouped=True),
+                        out="dense")
+  tree = {"transformer": {"h": {str(i): {"self_attention": {"max_logits": maxima[i]}} for i in range(layers)}}}
+  clipped = mc.qk_clip(params, tree, qk_clip_threshold=tau, layout=layout)
+  for i in range(layers):  # every value column kept
+    for leaf in ("kernel", "bias"):
+      w = params["transformer"]["h"][str(i)]["self_attention"]["query_key_value"][leaf]
+      c = clipped["transformer"]["h"][str(i)]["self_attention"]["query_key_value"][leaf]
+      v = lambda x: np.asarray(x).reshape(*x.shape[:-1], heads, 3, -1)[..., 2, :]  # noqa: E731
+      np.testing.assert_array_equal(v(c), v(w))
+  # layer 0 sees the same input in a second pass: clip it alone (layer 1's maxima below tau)
+  only_first = {"transformer": {"h": {str(i): {"self_attention": {"max_logits": maxima[i] * (i == 0)}}
+                                      for i in range(layers)}}}
+  after = qk(mc.qk_clip(params, only_first, qk_clip_threshold=tau, layout=layout))[0]
+  gamma = np.where(maxima[0] > tau, tau / maxima[0].astype(np.float64), 1.0)
+  for h in range(heads):
+    finite = np.isfinite(before[0][h])
+    if gamma[h] == 1.0:
+      np.testing.assert_array_equal(after[h], before[0][h])
+    else:
+      np.testing.assert_allclose(after[h][finite], gamma[h] * before[0][h][finite], rtol=2e-5, atol=1e-6)
+  assert (gamma < 1).any() and (gamma == 1).any()
+  np.testing.assert_allclose(np.max(after, axis=-1), np.minimum(maxima[0], tau), rtol=2e-5)
+  # the Hugging Face rows' patch line sows every layer's maxima, and muonclip clips with them
+  monkeypatch.setattr(bloom, "dot_product_attention_weights", mcnn.dot_product_attention_weights)
+  _, state = model.module.apply({"params": params}, tokens, jnp.ones_like(tokens), mutable=["intermediates"])
+  sown = state["intermediates"]["transformer"]["h"]
+  assert sorted(sown) == ["0", "1"] and all(sown[i]["self_attention"]["max_logits"].shape == (heads,) for i in sown)
+  opt = mc.muonclip(0.0, layout=layout, qk_clip_threshold=tau, weight_decay=0.0)
+  u, opt_state = opt.update(jax.tree.map(jnp.zeros_like, params), opt.init(params), params,
+                            max_logits=state["intermediates"])
+  stepped = optax.apply_updates(params, u)
+  (clip_state,) = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, mc.QKClipState))
+                   if isinstance(x, mc.QKClipState)]
+  assert int(clip_state.num_clipped) > 0
+  first = lambda p: np.asarray(p["transformer"]["h"]["0"]["self_attention"]["query_key_value"]["kernel"])  # noqa: E731
+  np.testing.assert_array_equal(first(stepped).reshape(dim, heads, 3, -1)[:, :, 2],
+                                first(params).reshape(dim, heads, 3, -1)[:, :, 2])
+
+
 @pytest.mark.parametrize("name", ["recipe_hf_gpt2"])
 def test_thirdparty_recipe_runs(name, capsys):
   __import__(name).main(["--steps", "1"])

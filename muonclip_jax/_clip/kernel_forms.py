@@ -19,7 +19,9 @@ stacked-layer axes ``*stack`` (``nn.scan``):
 * fused QKV (``GQALayout(qkv=...)``): kernel ``(*stack, in, (H + 2 Hkv) * head_dim)``,
   query heads then key heads then value heads, each head-major, bias
   ``(*stack, (H + 2 Hkv) * head_dim)``; or kernel ``(*stack, in, 3, H, head_dim)``, bias
-  ``(*stack, 3, H, head_dim)`` (needs ``Hkv == H``). Value columns get the factor 1.
+  ``(*stack, 3, H, head_dim)`` (needs ``Hkv == H``). Value columns get the factor 1. A
+  ``Projection(..., grouped=True)`` orders the 2-D form's columns by key/value head instead
+  (Bloom, GPT-NeoX: ``projection.flat_columns``).
 
 When the stacked-layer shape is known (from ``max_logits``) the kernel's rank decides
 between forms; otherwise (``init_max_logits``) the projections of a module must agree on it.
@@ -37,8 +39,8 @@ import jax.numpy as jnp
 from .equinox import linear_leaf
 from .layouts import GQALayout, MLALayout
 from .._util import join
-from .projection import (as_projection, axes_from_logical, declared_factor, declared_stack, kernel_factor,
-                         Projection)
+from .projection import (as_projection, axes_from_logical, declared_factor, declared_stack, flat_columns,
+                         kernel_factor, Projection)
 
 Shape = tuple[int, ...]
 Part = tuple[str | None, int, int]  # (role or None for never-scaled value columns, heads, width)
@@ -61,7 +63,9 @@ def _tail(form: str, parts: Sequence[Part]) -> Shape | None:
   return None
 
 
-def _forms(parts: Sequence[Part]) -> tuple[str, ...]:
+def _forms(parts: Sequence[Part], grouped: bool = False) -> tuple[str, ...]:
+  if grouped:  # columns ordered by key/value head: only a flattened column axis has an order
+    return (HEAD_MAJOR,)
   return (HEAD_MAJOR, DENSE_GENERAL) if len(parts) == 1 else (HEAD_MAJOR, FUSED_3)
 
 
@@ -84,6 +88,11 @@ class Found:
     return self.spec.name
 
   @property
+  def groups(self) -> int:
+    """The key/value heads that order a ``grouped`` projection's columns (``flat_columns``), else 0."""
+    return next(h for role, h, _ in self.parts if role == "key") if self.spec.grouped else 0
+
+  @property
   def in_size_axis(self) -> int:
     return self.spec.axes.index("in") if self.form == DECLARED else len(self.stack)
 
@@ -96,12 +105,12 @@ class Found:
         for role, h, w in self.parts
     ]
     if self.form == DECLARED:
-      return declared_factor(self.spec.axes, per_head)
+      return declared_factor(self.spec.axes, per_head, self.groups)
     if self.form == DENSE_GENERAL:
       return per_head[0]
     if self.form == FUSED_3:
       return jnp.stack(per_head, axis=-3)
-    return jnp.concatenate([f.reshape(*self.stack, -1) for f in per_head], axis=-1)
+    return flat_columns(per_head, self.groups)
 
   def scale(self, kernel, bias, factors: Mapping[str, jax.Array]):
     """``(kernel, bias)`` scaled by the role factors; the same objects if no role is scaled."""
@@ -210,10 +219,10 @@ def _fits(form: str, parts: Sequence[Part], kernel: Shape, bias: Shape | None) -
   return stack
 
 
-def _expected(parts: Sequence[Part], stack: Shape | None) -> str:
+def _expected(parts: Sequence[Part], stack: Shape | None, grouped: bool = False) -> str:
   lead = "*stack, " if stack is None else "".join(f"{n}, " for n in stack)
   tried = []
-  for form in _forms(parts):
+  for form in _forms(parts, grouped):
     tail = _tail(form, parts)
     if tail is None:
       tried.append(f"{_form_label(form, parts)} (needs num_kv_heads == num_heads)")
@@ -306,13 +315,13 @@ def detect(
                          join(module, spec.bias), bias)
       fits[spec] = [(DECLARED, s)]
       continue
-    kernel_fits = [(f, s) for f in _forms(parts) if (s := _fits(f, parts, kernel, None)) is not None]
+    kernel_fits = [(f, s) for f in _forms(parts, spec.grouped) if (s := _fits(f, parts, kernel, None)) is not None]
     torch = spec.leaf == TORCH_LEAF or spec.kernel in raw
     if not kernel_fits:
       raise ValueError(
           f"{caller}: {join(module, spec.kernel)} has shape {kernel}"
           f"{_head_hint(parts, kernel)}; it fits no kernel form of "
-          f"{lay} ({_describe(parts)}): tried {_expected(parts, stack)}; a kernel stored "
+          f"{lay} ({_describe(parts)}): tried {_expected(parts, stack, spec.grouped)}; a kernel stored "
           "otherwise (head axis first, torch-style (out, in), a layer axis that is not "
           "leading) needs its axes declared: muonclip_jax.Projection(name, leaf=..., axes=...)"
           + (f"; a leaf named '{TORCH_LEAF}' or held by an Equinox module is (out, in) in torch ports "
@@ -325,7 +334,7 @@ def detect(
       if not on_stack:
         raise ValueError(
             f"{caller}: {join(module, spec.kernel)} has shape {kernel}; expected "
-            f"{_expected(parts, stack)} ({_describe(parts)}), whose leading (stacked-layer) "
+            f"{_expected(parts, stack, spec.grouped)} ({_describe(parts)}), whose leading (stacked-layer) "
             f"shape {stack} is that of {join(module, 'max_logits')}; a kernel whose layer "
             "axis is not leading needs its axes declared: muonclip_jax.Projection(name, "
             "axes=...), e.g. axes=('in', 'layers', 'heads', 'head_dim')"

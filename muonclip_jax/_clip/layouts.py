@@ -37,6 +37,9 @@ def _check_name(owner: str, field: str, value: object, *, optional: bool = False
   if isinstance(value, Projection):
     if value.parts is not None and not parts:
       raise ValueError(f"{owner}: {field}={value} is not a fused projection; leave parts=None")
+    if value.grouped and field != "qkv":
+      raise ValueError(f"{owner}: {field}={value}: grouped=True orders the columns of a fused q|k|v "
+                       "projection, which is declared as qkv=")
     if not output:
       check_qk_projection(owner, field, value, parts)
     return
@@ -155,13 +158,16 @@ class GQALayout:
   then the value heads, each head-major (GPT-2's ``c_attn``, ``qkv_proj``/``Wqkv`` of Llama
   ports), bias ``((num_heads + 2 * num_kv_heads) * head_dim,)``; or
   ``(in, 3, num_heads, head_dim)`` (only when ``num_kv_heads == num_heads``), bias
-  ``(3, num_heads, head_dim)``. Its value columns are never touched.
+  ``(3, num_heads, head_dim)``. Its value columns are never touched. A 2-D kernel whose
+  columns run key/value head by key/value head instead (each one's query heads, then its key,
+  then its value: Bloom's and GPT-NeoX's ``query_key_value``, Megatron-LM's fused QKV) has the
+  same shape: declare it ``qkv=Projection(name, grouped=True)``.
 
   The library's ``GroupedQueryAttention`` reports its own layout as ``module.layout``. For
   other models, separate query and key kernels fix ``head_dim`` and ``num_kv_heads`` once the
   maxima fix ``num_heads``, so a wrong layout fails with a ValueError; a fused 2-D kernel
-  fixes only ``(num_heads + 2 * num_kv_heads) * head_dim``, so check those two fields
-  against the model's configuration.
+  fixes only ``(num_heads + 2 * num_kv_heads) * head_dim``, so check those two fields and its
+  column order against the model's configuration and code.
 
   Attributes:
     num_heads: number of query heads.
@@ -290,7 +296,7 @@ class GQALayout:
       >>> mha = eqx.nn.MultiheadAttention(num_heads=2, query_size=8, key=jax.random.key(0))
       >>> layout = mc.GQALayout.from_equinox(mha)
       >>> layout.num_heads, layout.head_dim, layout.query
-      (2, 4, Projection(name='query_proj', leaf='weight', axes=('out', 'in'), parts=None))
+      (2, 4, Projection(name='query_proj', leaf='weight', axes=('out', 'in'), parts=None, grouped=False))
       >>> make = lambda k: eqx.nn.MultiheadAttention(num_heads=2, query_size=8, key=k)
       >>> stacked = eqx.filter_vmap(make)(jax.random.split(jax.random.key(0), 3))
       >>> mc.GQALayout.from_equinox(stacked).key.axes  # 3 layers stacked by filter_vmap

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from .._util import LOGICAL_AXES, MatrixAxes
+from .._util import check_bool, LOGICAL_AXES, MatrixAxes
 
 AXES = ("layers", "in", "heads", "head_dim", "out", "parts")
 PARTS = ("q", "k", "v")
@@ -61,6 +61,14 @@ class Projection:
     parts: for a fused projection, which part is which, in storage order: ``("k", "v")`` or
       ``("q", "k", "v")``; along the ``"parts"`` axis, or concatenated along ``"out"``.
       ``None``: the role's own (``query``: q; ``key``: k; ``qkv``: q, k, v).
+    grouped: for a fused q|k|v projection (``GQALayout(qkv=...)``) whose columns are
+      flattened (2-D, or an ``"out"`` axis): ``True`` when they run key/value head by
+      key/value head, each holding the query heads that read it, then its key head, then
+      its value head (in ``parts`` order; for multi-head attention every head's q, k and v
+      in turn: Bloom's and GPT-NeoX's ``query_key_value``, Megatron-LM's fused QKV); ``False``
+      (default): all query heads, then all key heads, then all value heads (GPT-2's
+      ``c_attn``, Llama ports' ``qkv_proj``). Both have the same shape, so only this tells
+      them apart.
 
   Example:
     >>> import jax.numpy as jnp, muonclip_jax as mc
@@ -80,6 +88,7 @@ class Projection:
   leaf: str = "kernel"
   axes: tuple[str, ...] | None = None
   parts: tuple[str, ...] | None = None
+  grouped: bool = False
 
   def __post_init__(self):
     where = f"Projection({self.name!r})"
@@ -98,6 +107,10 @@ class Projection:
       object.__setattr__(self, "parts", tuple(self.parts))
       if not self.parts or any(p not in PARTS for p in self.parts) or len(set(self.parts)) != len(self.parts):
         raise ValueError(f"{where}: parts must be distinct names from {PARTS}, got {self.parts!r}")
+    check_bool(f"{where}: grouped", self.grouped)
+    if self.grouped and self.axes is not None and ("out" not in self.axes or "parts" in self.axes):
+      raise ValueError(f"{where}: grouped=True orders flattened columns, so its axes need an 'out' axis and no "
+                       f"'parts' axis, got axes={self.axes}")
 
   @property
   def kernel(self) -> str:
@@ -202,20 +215,28 @@ def declared_stack(caller: str, path: str, axes, shape, parts, bias_path: str | 
   return tuple(n for a, n in zip(axes, shape) if a == "layers")
 
 
-def declared_factor(axes: tuple[str, ...], per_part: list[jax.Array]) -> jax.Array:
-  """Per-part factors ``(*stack, heads, width)`` laid out as the bias: ``axes`` less ``"in"``."""
+def flat_columns(per_part: Sequence[jax.Array], groups: int = 0) -> jax.Array:
+  """Per-part arrays ``(*stack, heads, width)`` as one flattened column axis ``(*stack, columns)``:
+  the parts' head-major blocks one after another, or, with ``groups`` (the key/value heads) > 0,
+  ``Projection.grouped``'s order: group by group, each part's heads of that group in turn."""
+  lead = per_part[0].shape[:-2]
+  if not groups:
+    return jnp.concatenate([f.reshape(*lead, -1) for f in per_part], axis=-1)
+  return jnp.concatenate([f.reshape(*lead, groups, -1) for f in per_part], axis=-1).reshape(*lead, -1)
+
+
+def declared_factor(axes: tuple[str, ...], per_part: list[jax.Array], groups: int = 0) -> jax.Array:
+  """Per-part factors ``(*stack, heads, width)`` laid out as the bias: ``axes`` less ``"in"``
+  (``groups``: ``flat_columns``')."""
   nstack = per_part[0].ndim - 2
-  if "out" in axes:
-    per_part = [f.reshape(*f.shape[:-2], -1) for f in per_part]
-    tail = ["out"]
-  else:
-    tail = ["heads", "head_dim"]
-  if "parts" in axes:
-    f, tail = jnp.stack(per_part, axis=nstack), ["parts", *tail]
+  if "out" in axes and "parts" not in axes:
+    f, tail = flat_columns(per_part, groups), ["out"]
   elif "out" in axes:
-    f = jnp.concatenate(per_part, axis=-1)
+    f, tail = jnp.stack([p.reshape(*p.shape[:-2], -1) for p in per_part], axis=nstack), ["parts", "out"]
+  elif "parts" in axes:
+    f, tail = jnp.stack(per_part, axis=nstack), ["parts", "heads", "head_dim"]
   else:
-    f = per_part[0]
+    f, tail = per_part[0], ["heads", "head_dim"]
   canonical = [("layers", i) for i in range(nstack)] + [(a, 0) for a in tail]
   storage, seen = [], 0
   for a in axes:

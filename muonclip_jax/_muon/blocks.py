@@ -178,15 +178,16 @@ def _split(names: list[str], shape: list[int], axis: int, first: int, labels: tu
 
 def blocks_for(names: Sequence[str], shape: Sequence[int], parts: Sequence[tuple[Any, int, int]], *,
                output: bool = False, mode: str = "matrix", split: int = 0,
-               groups: Sequence[int] | None = None) -> Blocks:
+               groups: Sequence[int] | None = None, kv_groups: int = 0) -> Blocks:
   """The ``Blocks`` of a kernel whose axes are ``names``, holding ``parts`` ((role, heads, width), ...).
 
   ``output``: an output projection read transposed (see the module docstring): its matrix's
   fan-in is the heads side. ``split``: for ``"part"``, the width at which each head's columns
   divide into two parts (MLA's ``wkv_b``: ``qk_nope_head_dim``), 0 for none. ``groups``: for
   ``"head"``, the heads per block of each part (default 1: one head per block), each dividing
-  its part's head count. The shape must already have been checked against ``parts``
-  (``_clip.projection.fits_declared``).
+  its part's head count. ``kv_groups``: the key/value heads that order a fused projection's
+  flattened columns (``Projection.grouped``), 0 for the parts one after another. The shape must
+  already have been checked against ``parts`` (``_clip.projection.fits_declared``).
   """
   names, shape = list(names), [int(n) for n in shape]
   split_at = None
@@ -201,6 +202,8 @@ def blocks_for(names: Sequence[str], shape: Sequence[int], parts: Sequence[tuple
   def rest(names: list[str], *skip: str) -> list[int]:
     return [i for i, n in enumerate(names) if n not in ("layers", "in") + skip]
 
+  if kv_groups and mode != "matrix" and "out" in names:
+    return _by_kv_group(names, shape, parts, kv_groups, mode, groups, axes_of, rest)
   if mode == "head" and "out" in names:  # flattened head-major columns -> (heads, head_dim), or (groups, k*head_dim)
     widths = {w for _, _, w in parts}
     if len(widths) != 1:
@@ -257,6 +260,31 @@ def _grouped_slices(names: list[str], o: int, w: int, parts, groups, axes_of, re
   axes = axes_of(view, rest(view, "heads"))
   return Blocks((axes,) * len(runs), cut=o, bounds=tuple((a, b) for a, b, _ in runs), inner=(o,),
                 piece_split=tuple((b - a) // (k * w) for a, b, k in runs))
+
+
+def _by_kv_group(names: list[str], shape: list[int], parts, kv: int, mode: str, groups, axes_of, rest) -> Blocks:
+  """Fused columns ordered by key/value head (``Projection.grouped``): the view ``(kv, columns of one
+  group)``, sliced into each part's columns of every group. ``"part"``: each slice is one matrix (all
+  its groups' columns); ``"head"``: each slice split into its blocks of ``groups`` heads, batched."""
+  o = names.index("out")
+  edges = [0]
+  for _, h, w in parts:
+    edges.append(edges[-1] + h // kv * w)
+  bounds = tuple(zip(edges[:-1], edges[1:]))
+  view = names[:o] + ["heads", "out"] + names[o + 1:]
+  if mode == "part":
+    return Blocks((axes_of(view, rest(view)),) * len(parts), (o, kv), cut=o + 1, bounds=bounds)
+  sizes = []
+  for (role, h, _), k in zip(parts, groups):
+    if (h // kv) % k:
+      raise ValueError(
+          f"muon_blocks: a block of {k} {role or 'value'} heads would take columns of several key/value groups "
+          f"of a fused projection grouped by key/value head ({h // kv} per group); choose a group size that "
+          "divides it, 'head' or 'group:kv'")
+    sizes.append(h // kv // k)
+  piece = names[:o] + ["heads", "heads", "head_dim"] + names[o + 1:]
+  return Blocks((axes_of(piece, rest(piece, "heads")),) * len(parts), (o, kv), cut=o + 1, bounds=bounds,
+                inner=(o, o + 1), piece_split=tuple(sizes))
 
 
 def piece_dims(blocks: Blocks, path: str, shape: tuple[int, ...]) -> list[tuple[tuple, tuple, tuple, int, int]]:
