@@ -8,6 +8,7 @@
   python benchmarks/emulated_band.py --small    # spectra ending just above the cutoff, sides 4 to 32
   python benchmarks/emulated_band.py --clusters # a flat tail just above the cutoff, sides 8 to 768
   python benchmarks/emulated_band.py --localized # the same tail in a small block of a larger matrix
+  python benchmarks/emulated_band.py --sharded  # split over 8 fake devices against one device
 
 For each emulated backend (``tests/_emulated_backend.py``: float32 dots that name no
 precision get bf16 operands on "tpu", TF32 on "gpu", exact float32 on "cpu"), each
@@ -49,6 +50,14 @@ the cutoff) in a ``b x c`` block (``LOCALIZED_BLOCKS``: 4x8 to 32x32) of a zero 
 ``LOCALIZED_SHAPES`` (65x64 to 256x1024), 5 draws each: a gradient that lies in a few rows and
 columns is rounded like a matrix of the block's size, whatever the matrix's.
 
+``--sharded`` runs the update split over 8 fake CPU devices (``shard_orthogonalization`` on a
+mesh of 8, ``shard_split="always"``: every matrix's Newton–Schulz split over the devices) and on
+one device, on 64x512 Gaussian and condition-1e6 inputs and ``--clusters``' spectra (one value
+at 1, the rest at 1.007 times the cutoff) on 64x512 and 16x512, 2 draws each, and prints per
+backend, method and compute dtype the largest difference of the two over the update's largest
+entry and each one's band: the two round differently, most along singular directions below
+the cutoff, which Newton–Schulz does not resolve.
+
 ``--flops`` prints instead the GPU policy's matmul FLOPs, traced (no arrays) on the
 shapes (4096x16384, 4096x4096, a 64x2048x7168 expert stack) as if on a GPU, against
 ``optax.contrib.muon``'s with its defaults: a product with a float32 operand counted twice (the
@@ -64,6 +73,8 @@ import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "--sharded" in sys.argv:  # before JAX starts
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
   os.environ.setdefault(_var, "1")  # NumPy's SVDs beside XLA's threads: no oversubscription
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -260,6 +271,41 @@ def more(shapes=MORE_SHAPES, kinds=more_kinds, what="other inputs and shapes") -
     print("\n".join(bad))
 
 
+def sharded() -> None:
+  """The ``--sharded`` table (module docstring)."""
+  mesh = jax.make_mesh((8,), ("model",))
+  print(f"JAX {jax.__version__}, emulated backends; 8 fake CPU devices, shard_split='always', against one device\n")
+  print("| backend | method | compute dtype | largest difference / largest entry | input | band, 1 device "
+        "(top / low / high) | band, 8 devices | largest band difference, every input |")
+  print("|---|---|---|---|---|---|---|---|")
+  grads = {}
+  for draw in range(2):
+    rng = np.random.default_rng([11, draw])
+    for kind in ("gaussian", "cond_1e6"):
+      grads[f"{kind} #{draw}"] = jnp.asarray(eb.make_input(kind, (64, 512), seed=draw))
+    for m in (64, 16):
+      grads[f"clusters {m}x512 #{draw}"] = jnp.asarray(cluster_kinds(m, 512, rng)["1 at 1, the rest at 0.00302 #0"],
+                                                       jnp.float32)
+  svds = {k: eb.input_svd(g) for k, g in grads.items()}
+  fmt = lambda b: f"{b.top:.4f} / {b.low:.4f} / {b.high:.4f}"  # noqa: E731
+  for backend in eb.BACKENDS:
+    for method in METHODS:
+      for cd_name, cd in DTYPES:
+        out = []
+        for target in (None, mesh):
+          opt = mc.muon(1.0, weight_decay=0.0, beta=0.0, ns_method=method, compute_dtype=cd,
+                        shard_orthogonalization=target, shard_split="always")
+          with eb.emulate(backend):
+            out.append(jax.device_get(jax.jit(lambda g, s, o=opt: o.update(g, s, g)[0])(grads, opt.init(grads))))
+        diffs = {k: float(np.max(np.abs(out[1][k] - out[0][k])) / np.max(np.abs(out[0][k]))) for k in grads}
+        bands = {k: [eb.band(o[k], g, scale=-eb.moonlight_scale(g.shape), svd=svds[k]) for o in out]
+                 for k, g in grads.items()}
+        moved = max(abs(getattr(b[0], f) - getattr(b[1], f)) for b in bands.values() for f in ("top", "low", "high"))
+        k = max(diffs, key=diffs.get)
+        print(f"| {backend} | {method} | {cd_name} | {diffs[k]:.1e} | {k} | {fmt(bands[k][0])} | {fmt(bands[k][1])} "
+              f"| {moved:.1e} |", flush=True)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="wide and square shapes only")
@@ -271,7 +317,10 @@ def main() -> None:
                       help="sides 8 to 768, one or four large singular values and the rest just above the cutoff")
   parser.add_argument("--localized", action="store_true",
                       help="--clusters' spectra in a small block of a larger matrix")
+  parser.add_argument("--sharded", action="store_true", help="split over 8 fake devices against one device")
   args = parser.parse_args()
+  if args.sharded:
+    return sharded()
   if args.more:
     return more()
   if args.small:
