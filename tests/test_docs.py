@@ -58,6 +58,8 @@ def _restore_hf_llama(monkeypatch):
 
 def _your_model(monkeypatch):
   _restore_hf_llama(monkeypatch)
+  hf_bloom = pytest.importorskip("transformers.models.bloom.modeling_flax_bloom")  # patched for ALiBi: undone after
+  monkeypatch.setattr(hf_bloom, "dot_product_attention_weights", hf_bloom.dot_product_attention_weights)
   sys.path.insert(0, str(ROOT / "tests"))
   from _gemma_package import import_gemma
   import_gemma()  # the gemma package importable, kauldron stood in for where it is absent

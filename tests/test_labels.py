@@ -148,12 +148,16 @@ def test_label_tree_and_callable_override():
         ("bert/encoder/layer/0/attention/output/dense/kernel", (64, 64), "muon"),
         ("model/layers/61/shared_head/head/weight", (100, 64), "adam"),
         ("model/layers/61/shared_head/head/weight", (128, 64), "muon"),
+        # numbered parts after the head name are the head's own (Hugging Face's Flax ResNet, nn.Sequential)
+        ("params/classifier/1/kernel", (64, 10), "adam"),
+        ("head/layers_1/kernel", (64, 10), "adam"),
     ],
 )
 def test_default_label_rules(path, shape, label):
   from muonclip_jax._muon.labels import default_label
 
-  assert default_label(path, shape, vocab=frozenset({(100, 64)})) == label
+  vocab = frozenset({(100, 64)}) if "shared_head" in path else frozenset()  # rule 8's tables, where it matters
+  assert default_label(path, shape, vocab=vocab) == label
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers: "Flax classes are deprecated"

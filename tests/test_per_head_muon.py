@@ -391,35 +391,39 @@ def test_head_groups_equal_the_by_hand_groups_on_every_storage_form(group_update
   assert_same_math(out["group:2+out"]["dense"]["wq"], out["group:kv+out"]["dense"]["wq"])
 
 
-@pytest.mark.parametrize("heads, kv", [(4, 2), (2, 2)])
-def test_qkv_grouped_by_kv_head_is_cut_into_its_parts_and_heads(heads, kv):
+@pytest.mark.parametrize("heads, kv, parts", [(4, 2, None), (2, 2, None), (4, 2, ("k", "q", "v"))])
+def test_qkv_grouped_by_kv_head_is_cut_into_its_parts_and_heads(heads, kv, parts):
   """``Projection(qkv, grouped=True)`` (Bloom, GPT-NeoX: per key/value head its query heads, its key,
-  its value): "part" takes every query column as one matrix, and the keys and the values; "group:kv"
-  each group's query heads and each key/value head; "head" every head; "matrix" the whole kernel."""
+  its value, in ``parts`` order): "part" takes every query column as one matrix, and the keys and
+  the values; "group:kv" each group's query heads and each key/value head; "head" every head;
+  "matrix" the whole kernel."""
   g = heads // kv
+  order = parts or ("q", "k", "v")
   rng = np.random.default_rng(9)
   kernel = jnp.asarray(rng.standard_normal((IN, kv * (g + 2) * D)), jnp.float32)
-  lay = mc.GQALayout(heads, kv, D, qkv=mc.Projection("qkv", grouped=True), out=None)
+  lay = mc.GQALayout(heads, kv, D, qkv=mc.Projection("qkv", parts=parts, grouped=True), out=None)
   params = {"attn": {"qkv": {"kernel": kernel}}}
   got = {}
   for blocks in ("part", "group:kv", "head", "matrix"):
     opt = mc.scale_by_muon(layout=lay, muon_blocks=blocks)
     got[blocks] = np.asarray(jax.jit(opt.update)(params, opt.init(params))[0]["attn"]["qkv"]["kernel"])
-  d = _direction(kernel).reshape(IN, kv, g + 2, D)  # by key/value group: g query heads, k, v
+  d = _direction(kernel).reshape(IN, kv, g + 2, D)  # by key/value group: its heads of each part, in order
+  sizes = [g if p == "q" else 1 for p in order]
+  cuts = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(3)]
 
   def whole(x):
     return _ns_blocks(x.reshape(IN, -1)[None])[0].reshape(x.shape)
 
-  part = jnp.concatenate([whole(d[:, :, :g]), whole(d[:, :, g:g + 1]), whole(d[:, :, g + 1:])], axis=2)
-  by_group = jnp.stack([jnp.concatenate([whole(d[:, j, :g]), whole(d[:, j, g:g + 1]), whole(d[:, j, g + 1:])],
-                                        axis=1) for j in range(kv)], axis=1)
+  part = jnp.concatenate([whole(d[:, :, a:b]) for a, b in cuts], axis=2)
+  by_group = jnp.stack([jnp.concatenate([whole(d[:, j, a:b]) for a, b in cuts], axis=1) for j in range(kv)], axis=1)
   want = {"part": part, "group:kv": by_group, "head": _by_cols(d.reshape(IN, -1), heads + 2 * kv).reshape(d.shape),
           "matrix": whole(d)}
   for blocks, w in want.items():
     assert_same_math(got[blocks], np.asarray(w).reshape(IN, -1), err_msg=blocks)
   assert not np.allclose(got["part"], got["head"], atol=1e-3)
-  with pytest.raises(ValueError, match=r"a block of 2 (query|key) heads would take columns of several key/value "
-                                       r"groups of a fused projection grouped by key/value head \(1 per group\)"):
+  with pytest.raises(ValueError, match=r"scale_by_muon: layout \(muon_blocks='group:2'\): attn/qkv/kernel .*a block of 2 "
+                                       r"(query|key) heads would take columns of several key/value groups .*"
+                                       r"cut by 'part', 'head' \('group:1'\) and 'group:kv' only"):
     mc.scale_by_muon(layout=lay, muon_blocks="group:2").init(params)
 
 
@@ -595,6 +599,29 @@ def test_sharded_head_groups_stay_where_they_live(distributed):
   compiled = jax.jit(opt.update, out_shardings=(ps, None)).lower(g, state).compile()
   for a, b in zip(jax.tree.leaves(compiled(g, state)[0]), jax.tree.leaves(want)):
     assert_same_math(np.asarray(a), np.asarray(b))
+  found = _collectives(compiled)
+  assert not found["all-gather"] and not found["all-to-all"], found
+
+
+@pytest.mark.parametrize("blocks", ["head", "group:kv"])
+@pytest.mark.parametrize("distributed", [False, True], ids=["spmd", "shard_orthogonalization"])
+def test_sharded_qkv_grouped_by_kv_head_stays_where_it_lives(blocks, distributed):
+  """A fused q|k|v kernel grouped by key/value head (8 query heads, 4 key/value heads), its columns on a
+  4-way model axis: one group per device, its heads orthogonalized there with no all-gather, one
+  device's update (``_exactness``)."""
+  rng = np.random.default_rng(10)
+  params = {"qkv": {"kernel": jnp.asarray(rng.standard_normal((IN, 4 * (2 + 2) * D)), jnp.float32)}}
+  layout = mc.GQALayout(8, 4, D, qkv=mc.Projection("qkv", grouped=True), out=None)
+  grads = jax.tree.map(jnp.sin, params)
+  single = mc.scale_by_muon(layout=layout, muon_blocks=blocks)
+  want = jax.jit(single.update)(grads, single.init(params))[0]
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+  ps = {"qkv": {"kernel": NamedSharding(mesh, P(None, "model"))}}
+  opt = mc.scale_by_muon(layout=layout, muon_blocks=blocks, shard_orthogonalization=ps if distributed else None)
+  g = jax.device_put(grads, ps)
+  state = mc.sharding.init_state(opt, jax.device_put(params, ps), ps)
+  compiled = jax.jit(opt.update, out_shardings=(ps, None)).lower(g, state).compile()
+  assert_same_math(np.asarray(compiled(g, state)[0]["qkv"]["kernel"]), np.asarray(want["qkv"]["kernel"]))
   found = _collectives(compiled)
   assert not found["all-gather"] and not found["all-to-all"], found
 

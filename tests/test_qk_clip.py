@@ -280,6 +280,11 @@ def test_grouped_is_declared_only_for_a_fused_qkv_with_flattened_columns():
   with pytest.raises(ValueError, match=r"attn/qkv/kernel has shape \(5, 3, 2, 3\).*fits no kernel form"):
     qk_clip({"attn": {"qkv": {"kernel": jnp.ones((5, 3, 2, 3))}}}, {"attn": {"max_logits": jnp.ones(2)}},
             qk_clip_threshold=0.5, layout=lay)
+  boxed = nn.Partitioned(jnp.ones((5, 3, 2, 3)), names=("embed", "qkv", "heads", "kv"))  # names say: a parts axis
+  with pytest.raises(ValueError, match=r"attn/qkv/kernel: the axes \('in', 'parts', 'heads', 'head_dim'\) read from "
+                                       r"its logical names \('embed', 'qkv', 'heads', 'kv'\): .*grouped=True"):
+    qk_clip({"attn": {"qkv": {"kernel": boxed}}}, {"attn": {"max_logits": jnp.ones(2)}}, qk_clip_threshold=0.5,
+            layout=lay)
 
 
 # ----------------------------------------------------------------------------- exactness

@@ -185,21 +185,54 @@ def test_hf_bloom_query_key_value_is_grouped_by_head(monkeypatch):
       np.testing.assert_allclose(after[h][finite], gamma[h] * before[0][h][finite], rtol=2e-5, atol=1e-6)
   assert (gamma < 1).any() and (gamma == 1).any()
   np.testing.assert_allclose(np.max(after, axis=-1), np.minimum(maxima[0], tau), rtol=2e-5)
-  # the Hugging Face rows' patch line sows every layer's maxima, and muonclip clips with them
-  monkeypatch.setattr(bloom, "dot_product_attention_weights", mcnn.dot_product_attention_weights)
+  # ALiBi: Bloom's bias is slope_h * key position (>= 0, growing with the sequence), which the plain patch
+  # line's maxima would count and the clip never scales. less_alibi_row_max (docs/your-model.md) sows the
+  # maxima of q.k / sqrt(D) + the bias less its row maximum (<= 0; the softmax is the same), which a clip
+  # of layer 0 with them bounds by tau on the same batch.
+  def recorded_logits(params, fn):  # per layer: (heads, ...) q.k / sqrt(D) + the shifted bias, unmasked
+    store = []
+    monkeypatch.setattr(bloom, "dot_product_attention_weights", recording(store, fn))
+    model(tokens, params=params)
+    jax.effects_barrier()
+    monkeypatch.undo()
+    out = []
+    for q, k, b in store:
+      allowed = b > -1e30  # Bloom folds its causal mask into the bias: float32's lowest there
+      shift = np.maximum(np.max(b, axis=-1, keepdims=True), 0.0)
+      s = np.einsum("bqhd,bkhd->bhqk", np.float64(q), np.float64(k)) / np.sqrt(q.shape[-1]) + (b - shift)
+      out.append(np.where(allowed, s, -np.inf).transpose(1, 0, 2, 3).reshape(heads, -1))
+    return out
+
+  monkeypatch.setattr(bloom, "dot_product_attention_weights", less_alibi_row_max)
   _, state = model.module.apply({"params": params}, tokens, jnp.ones_like(tokens), mutable=["intermediates"])
-  sown = state["intermediates"]["transformer"]["h"]
-  assert sorted(sown) == ["0", "1"] and all(sown[i]["self_attention"]["max_logits"].shape == (heads,) for i in sown)
+  monkeypatch.undo()
+  sown = np.stack([state["intermediates"]["transformer"]["h"][str(i)]["self_attention"]["max_logits"]
+                   for i in range(layers)])
+  logits = recorded_logits(params, less_alibi_row_max)
+  np.testing.assert_allclose(sown, np.stack([s.max(-1) for s in logits]), rtol=2e-5)
+  assert np.all(sown <= maxima + 1e-5)  # the shifted bias only lowers them
+  tau = float(np.median(sown[0]))
+  first_only = {"transformer": {"h": {str(i): {"self_attention": {"max_logits": sown[i] * (i == 0)}}
+                                      for i in range(layers)}}}
   opt = mc.muonclip(0.0, layout=layout, qk_clip_threshold=tau, weight_decay=0.0)
-  u, opt_state = opt.update(jax.tree.map(jnp.zeros_like, params), opt.init(params), params,
-                            max_logits=state["intermediates"])
+  u, opt_state = opt.update(jax.tree.map(jnp.zeros_like, params), opt.init(params), params, max_logits=first_only)
   stepped = optax.apply_updates(params, u)
   (clip_state,) = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, mc.QKClipState))
                    if isinstance(x, mc.QKClipState)]
-  assert int(clip_state.num_clipped) > 0
+  assert int(clip_state.num_clipped) == int(np.sum(sown[0] > tau)) > 0
+  bound = recorded_logits(stepped, less_alibi_row_max)[0].max(-1)
+  assert np.all(bound <= tau * (1 + 1e-5)), (bound, tau)
   first = lambda p: np.asarray(p["transformer"]["h"]["0"]["self_attention"]["query_key_value"]["kernel"])  # noqa: E731
   np.testing.assert_array_equal(first(stepped).reshape(dim, heads, 3, -1)[:, :, 2],
                                 first(params).reshape(dim, heads, 3, -1)[:, :, 2])
+
+
+def less_alibi_row_max(query, key, bias=None, *args, **kwargs):
+  """``mcnn.dot_product_attention_weights`` with Bloom's ALiBi bias less its largest value in each
+  query's row (a shift the softmax ignores): the bias is then <= 0, and the maxima the clip reads
+  are bounded by tau after it (docs/your-model.md, the Bloom row)."""
+  shift = jnp.maximum(jnp.max(bias, axis=-1, keepdims=True), 0.0)
+  return mcnn.dot_product_attention_weights(query, key, bias - shift, *args, **kwargs)
 
 
 @pytest.mark.parametrize("name", ["recipe_hf_gpt2"])

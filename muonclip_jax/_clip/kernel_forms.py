@@ -308,7 +308,11 @@ def detect(
       axes = typed.get(spec.kernel) or axes_from_logical(names.get(spec.kernel))
       if axes is not None:
         del parts_of[spec]
-        spec = dataclasses.replace(spec, axes=axes)
+        try:
+          spec = dataclasses.replace(spec, axes=axes)
+        except ValueError as e:  # grouped=True on a kernel whose names or type say it has no flat columns
+          origin = "its type" if spec.kernel in typed else f"its logical names {names.get(spec.kernel)}"
+          raise ValueError(f"{caller}: {join(module, spec.kernel)}: the axes {axes} read from {origin}: {e}") from None
         parts_of[spec] = parts
     if spec.axes is not None:
       s = declared_stack(caller, join(module, spec.kernel), spec.axes, kernel, parts,

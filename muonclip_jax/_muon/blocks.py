@@ -207,7 +207,7 @@ def blocks_for(names: Sequence[str], shape: Sequence[int], parts: Sequence[tuple
   if mode == "head" and "out" in names:  # flattened head-major columns -> (heads, head_dim), or (groups, k*head_dim)
     widths = {w for _, _, w in parts}
     if len(widths) != 1:
-      raise ValueError(f"muon_blocks='head': the parts {list(parts)} differ in head width; declare the axes")
+      raise ValueError(f"the parts {list(parts)} differ in head width; declare the axes")
     o = names.index("out")
     w = widths.pop()
     if len(set(groups)) > 1:  # fused parts grouped differently: each run of equal groups sliced, then split
@@ -216,7 +216,7 @@ def blocks_for(names: Sequence[str], shape: Sequence[int], parts: Sequence[tuple
     names, shape = _split(names, shape, o, split_at[1], ("heads", "head_dim"))
   elif mode == "head" and groups[0] > 1:  # a heads axis -> (groups, k): the k heads join the fan-out
     if len(set(groups)) > 1:
-      raise ValueError(f"muon_blocks: the parts {list(parts)} of one heads axis need one group size, got {groups}")
+      raise ValueError(f"the parts {list(parts)} of one heads axis need one group size, got {groups}")
     h = names.index("heads")
     split_at = (h, shape[h] // groups[0])
     names, shape = _split(names, shape, h, split_at[1], ("heads", "head_dim"))
@@ -278,9 +278,9 @@ def _by_kv_group(names: list[str], shape: list[int], parts, kv: int, mode: str, 
   for (role, h, _), k in zip(parts, groups):
     if (h // kv) % k:
       raise ValueError(
-          f"muon_blocks: a block of {k} {role or 'value'} heads would take columns of several key/value groups "
-          f"of a fused projection grouped by key/value head ({h // kv} per group); choose a group size that "
-          "divides it, 'head' or 'group:kv'")
+          f"a block of {k} {role or 'value'} heads would take columns of several key/value groups of a fused "
+          f"projection grouped by key/value head ({h // kv} per group; one key and one value head each): "
+          "such a kernel is cut by 'part', 'head' ('group:1') and 'group:kv' only")
     sizes.append(h // kv // k)
   piece = names[:o] + ["heads", "heads", "head_dim"] + names[o + 1:]
   return Blocks((axes_of(piece, rest(piece, "heads")),) * len(parts), (o, kv), cut=o + 1, bounds=bounds,

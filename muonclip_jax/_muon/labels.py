@@ -127,19 +127,28 @@ def default_label(path: str, shape: tuple[int, ...], names: tuple | None = None,
   parts = [p.lower() for p in raw]
   if parts and parts[-1] in ROUTING_BIAS_NAMES:
     return FROZEN
-  label = _matrix_or_adam(parts, shape, names, vocab, role, _in_numbered_layer(raw))
+  label = _matrix_or_adam(parts, shape, names, vocab, role, _in_numbered_layer(raw), _head_in_numbered_layer(raw))
   return router if label == MUON and _is_router(parts) else label
 
 
+def _head_in_numbered_layer(raw: list[str]) -> bool:
+  """A head name (rule 6) after a numbered component: the name of a repeated layer's own
+  sub-module (BERT's ``layer/0/output``), not of an output head (``classifier/1``: the head's own
+  numbered parts)."""
+  first = next((i for i, p in enumerate(raw) if p.lower() in _HEAD_NAMES), None)
+  return first is not None and _in_numbered_layer(raw[:first] + ["", ""])
+
+
 def _matrix_or_adam(parts: list[str], shape: tuple[int, ...], names: tuple | None,
-                    vocab: frozenset[tuple[int, int]], role: str | None, numbered: bool) -> str:
+                    vocab: frozenset[tuple[int, int]], role: str | None, numbered: bool,
+                    head_numbered: bool = False) -> str:
   if len(shape) < 2 or (len(shape) == 2 and 1 in shape) or role not in (None, MATRIX, STACKED_VECTOR):
     return ADAM
   if role is None and parts and (parts[-1] in _VECTOR_LEAF_NAMES or any(_is_norm(p) for p in parts)):
     return ADAM
   vocab_shaped = len(shape) == 2 and any(shape in ((v, w), (w, v)) for v, w in vocab)
   if any(w in p for p in parts for w in _EMBEDDING_WORDS) or (
-      any(p in _HEAD_NAMES for p in parts) and (not numbered or vocab_shaped)):
+      any(p in _HEAD_NAMES for p in parts) and (not head_numbered or vocab_shaped)):
     return ADAM
   # a router's expert axis is its matrix's output (``("embed", "exp")``), not a batch axis
   batch = STACK_NAMES if names is None else router_batch_names("/".join(parts), names)
@@ -219,11 +228,13 @@ def muon_labels(params: Any, *, router: str = MUON) -> Any:
      leaf name): AdamW.
   6. a path component named ``lm_head``, ``head``, ``unembed``, ``output``, ``output_head``,
      ``output_layer``, ``logits``, ``logits_dense`` or ``classifier`` (output heads; MaxText's
-     is ``logits_dense``): AdamW. Whole components only: ``heads`` is not ``head``. Inside a
-     numbered layer (rule 8) only for a leaf of a token-embedding table's shape (DeepSeek-V3's
-     multi-token-prediction head ``layers/61/shared_head/head``): elsewhere there the name is
-     the layer's own projection (BERT's ``layer/0/output/dense`` and
-     ``layer/0/attention/output/dense``: Muon).
+     is ``logits_dense``): AdamW. Whole components only: ``heads`` is not ``head``. After a
+     numbered component (rule 8's: inside one of the repeated layers) only for a leaf of a
+     token-embedding table's shape (DeepSeek-V3's multi-token-prediction head
+     ``layers/61/shared_head/head``): elsewhere there the name is the layer's own projection
+     (BERT's ``layer/0/output/dense`` and ``layer/0/attention/output/dense``: Muon). Numbered
+     parts after the name are the head's own (``classifier/1``, ``head/layers_1``: AdamW); a
+     head in a numbered container (``models/0/classifier``) of another shape needs ``labels``.
   7. logical axis names (``names``; Linen boxes, NNX ``sharding`` metadata, short specs
      padded with None as Flax pads them) with a ``"vocab"`` axis, or with fewer than two
      axes besides the layer and expert axes (a vector per layer of a stack, a bias per

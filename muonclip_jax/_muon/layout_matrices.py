@@ -179,8 +179,11 @@ def layout_blocks(tree: Any, layout: Any, mode: str, caller: str, declared: set 
       split = lay.qk_nope_head_dim if isinstance(lay, MLALayout) and f.parts[0][0] == "key_value" else 0
       path = join(module, f.spec.kernel)
       groups = _groups(group, f.parts, lay, path, mode, caller) if kind == "head" else None
-      table[path] = blocks_for(_form_axes(f), shapes[f.spec.kernel], f.parts, mode=kind, split=split, groups=groups,
-                               kv_groups=f.groups)
+      try:
+        table[path] = blocks_for(_form_axes(f), shapes[f.spec.kernel], f.parts, mode=kind, split=split,
+                                 groups=groups, kv_groups=f.groups)
+      except ValueError as e:
+        raise ValueError(f"{caller}: {path} {shapes[f.spec.kernel]} ({lay}): {e}") from None
       if f.form == DECLARED:
         declared.add(path)
     stack = found[0].stack
