@@ -421,9 +421,9 @@ def test_qkv_grouped_by_kv_head_is_cut_into_its_parts_and_heads(heads, kv, parts
   for blocks, w in want.items():
     assert_same_math(got[blocks], np.asarray(w).reshape(IN, -1), err_msg=blocks)
   assert not np.allclose(got["part"], got["head"], atol=1e-3)
-  with pytest.raises(ValueError, match=r"scale_by_muon: layout \(muon_blocks='group:2'\): attn/qkv/kernel .*a block of 2 "
-                                       r"(query|key) heads would take columns of several key/value groups .*"
-                                       r"cut by 'part', 'head' \('group:1'\) and 'group:kv' only"):
+  with pytest.raises(ValueError, match=r"scale_by_muon: layout \(muon_blocks='group:2'\): attn/qkv/kernel .*"
+                                       r"a block of 2 (query|key) heads would take columns of several key/value "
+                                       r"groups .*cut by 'part', 'head' \('group:1'\) and 'group:kv' only"):
     mc.scale_by_muon(layout=lay, muon_blocks="group:2").init(params)
 
 
