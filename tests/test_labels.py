@@ -146,17 +146,21 @@ def test_label_tree_and_callable_override():
         # an embedding table (DeepSeek-V3's multi-token-prediction head).
         ("bert/encoder/layer/0/output/dense/kernel", (256, 64), "muon"),
         ("bert/encoder/layer/0/attention/output/dense/kernel", (64, 64), "muon"),
-        ("model/layers/61/shared_head/head/weight", (100, 64), "adam"),
-        ("model/layers/61/shared_head/head/weight", (128, 64), "muon"),
-        # numbered parts after the head name are the head's own (Hugging Face's Flax ResNet, nn.Sequential)
-        ("params/classifier/1/kernel", (64, 10), "adam"),
-        ("head/layers_1/kernel", (64, 10), "adam"),
+        ("bert/encoder/layer/0/output/dense/kernel", (100, 64), "adam"),  # shaped like the embedding
+        # a head name that owns the leaf, or is followed by numbered parts, is a head
+        ("model/layers/61/shared_head/head/weight", (128, 64), "adam"),
+        ("params/classifier/1/kernel", (64, 10), "adam"),  # Hugging Face's Flax ResNet
+        ("head/layers_1/kernel", (64, 10), "adam"),  # nn.Sequential
+        ("ViT_0/head/kernel", (64, 10), "adam"),  # a Linen auto-named model
+        ("resnet50/classifier/kernel", (64, 10), "adam"),
+        ("models/0/classifier/kernel", (64, 10), "adam"),
+        ("Block_0/output", (64, 64), "adam"),
     ],
 )
 def test_default_label_rules(path, shape, label):
   from muonclip_jax._muon.labels import default_label
 
-  vocab = frozenset({(100, 64)}) if "shared_head" in path else frozenset()  # rule 8's tables, where it matters
+  vocab = frozenset({(100, 64)}) if "layer" in path else frozenset()  # rule 8's tables, where they matter
   assert default_label(path, shape, vocab=vocab) == label
 
 

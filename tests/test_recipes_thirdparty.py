@@ -186,31 +186,36 @@ def test_hf_bloom_query_key_value_is_grouped_by_head(monkeypatch):
   assert (gamma < 1).any() and (gamma == 1).any()
   np.testing.assert_allclose(np.max(after, axis=-1), np.minimum(maxima[0], tau), rtol=2e-5)
   # ALiBi: Bloom's bias is slope_h * key position (>= 0, growing with the sequence), which the plain patch
-  # line's maxima would count and the clip never scales. less_alibi_row_max (docs/your-model.md) sows the
-  # maxima of q.k / sqrt(D) + the bias less its row maximum (<= 0; the softmax is the same), which a clip
-  # of layer 0 with them bounds by tau on the same batch.
+  # line's maxima would count and the clip never scales. docs/your-model.md's less_alibi_row_max (its block,
+  # run here) sows the maxima of q.k / sqrt(D) + the bias less its row maximum (<= 0); the model's output is
+  # the same, and a clip of layer 0 with them bounds its logits by tau on the same batch. The batch's
+  # second row is left-padded: its first queries see no key, and keep their bias.
+  less_alibi_row_max = _docs_alibi_wrapper(bloom)
+  mask = jnp.ones_like(tokens).at[1, :3].set(0)
+
   def recorded_logits(params, fn):  # per layer: (heads, ...) q.k / sqrt(D) + the shifted bias, unmasked
     store = []
     monkeypatch.setattr(bloom, "dot_product_attention_weights", recording(store, fn))
-    model(tokens, params=params)
+    model(tokens, attention_mask=mask, params=params)
     jax.effects_barrier()
     monkeypatch.undo()
     out = []
     for q, k, b in store:
-      allowed = b > -1e30  # Bloom folds its causal mask into the bias: float32's lowest there
+      allowed = b > -1e30  # Bloom folds its masks into the bias: float32's lowest there
       shift = np.maximum(np.max(b, axis=-1, keepdims=True), 0.0)
       s = np.einsum("bqhd,bkhd->bhqk", np.float64(q), np.float64(k)) / np.sqrt(q.shape[-1]) + (b - shift)
       out.append(np.where(allowed, s, -np.inf).transpose(1, 0, 2, 3).reshape(heads, -1))
     return out
 
+  plain = model(tokens, attention_mask=mask, params=params).logits
   monkeypatch.setattr(bloom, "dot_product_attention_weights", less_alibi_row_max)
-  _, state = model.module.apply({"params": params}, tokens, jnp.ones_like(tokens), mutable=["intermediates"])
+  np.testing.assert_allclose(model(tokens, attention_mask=mask, params=params).logits, plain, rtol=1e-5, atol=1e-5)
+  _, state = model.module.apply({"params": params}, tokens, mask, mutable=["intermediates"])
   monkeypatch.undo()
   sown = np.stack([state["intermediates"]["transformer"]["h"][str(i)]["self_attention"]["max_logits"]
                    for i in range(layers)])
   logits = recorded_logits(params, less_alibi_row_max)
   np.testing.assert_allclose(sown, np.stack([s.max(-1) for s in logits]), rtol=2e-5)
-  assert np.all(sown <= maxima + 1e-5)  # the shifted bias only lowers them
   tau = float(np.median(sown[0]))
   first_only = {"transformer": {"h": {str(i): {"self_attention": {"max_logits": sown[i] * (i == 0)}}
                                       for i in range(layers)}}}
@@ -227,12 +232,18 @@ def test_hf_bloom_query_key_value_is_grouped_by_head(monkeypatch):
                                 first(params).reshape(dim, heads, 3, -1)[:, :, 2])
 
 
-def less_alibi_row_max(query, key, bias=None, *args, **kwargs):
-  """``mcnn.dot_product_attention_weights`` with Bloom's ALiBi bias less its largest value in each
-  query's row (a shift the softmax ignores): the bias is then <= 0, and the maxima the clip reads
-  are bounded by tau after it (docs/your-model.md, the Bloom row)."""
-  shift = jnp.maximum(jnp.max(bias, axis=-1, keepdims=True), 0.0)
-  return mcnn.dot_product_attention_weights(query, key, bias - shift, *args, **kwargs)
+def _docs_alibi_wrapper(bloom):
+  """``less_alibi_row_max`` as docs/your-model.md defines it: its python block run (the block's own patch of
+  Bloom's module undone at once)."""
+  with open(os.path.join(os.path.dirname(__file__), "..", "docs", "your-model.md")) as f:
+    blocks = [b.split("```")[0] for b in f.read().split("```python\n")[1:]]
+  (block,) = [b for b in blocks if "def less_alibi_row_max" in b]
+  original, scope = bloom.dot_product_attention_weights, {}
+  try:
+    exec(compile(block, "docs/your-model.md", "exec"), scope)
+  finally:
+    bloom.dot_product_attention_weights = original
+  return scope["less_alibi_row_max"]
 
 
 @pytest.mark.parametrize("name", ["recipe_hf_gpt2"])

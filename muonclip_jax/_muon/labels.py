@@ -132,11 +132,13 @@ def default_label(path: str, shape: tuple[int, ...], names: tuple | None = None,
 
 
 def _head_in_numbered_layer(raw: list[str]) -> bool:
-  """A head name (rule 6) after a numbered component: the name of a repeated layer's own
-  sub-module (BERT's ``layer/0/output``), not of an output head (``classifier/1``: the head's own
-  numbered parts)."""
+  """A head name (rule 6) that names a repeated layer's own sub-module: after a numbered component
+  and holding a named module of its own (BERT's ``layer/0/output/dense``). A head name that owns
+  the leaf (``ViT_0/head/kernel``, ``models/0/classifier/kernel``) or is followed by numbered parts
+  (``classifier/1/kernel``) names a head."""
   first = next((i for i, p in enumerate(raw) if p.lower() in _HEAD_NAMES), None)
-  return first is not None and _in_numbered_layer(raw[:first] + ["", ""])
+  return (first is not None and first < len(raw) - 2 and not raw[first + 1][-1:].isdigit()
+          and any(p[-1:].isdigit() for p in raw[:first]))
 
 
 def _matrix_or_adam(parts: list[str], shape: tuple[int, ...], names: tuple | None,
@@ -228,13 +230,13 @@ def muon_labels(params: Any, *, router: str = MUON) -> Any:
      leaf name): AdamW.
   6. a path component named ``lm_head``, ``head``, ``unembed``, ``output``, ``output_head``,
      ``output_layer``, ``logits``, ``logits_dense`` or ``classifier`` (output heads; MaxText's
-     is ``logits_dense``): AdamW. Whole components only: ``heads`` is not ``head``. After a
-     numbered component (rule 8's: inside one of the repeated layers) only for a leaf of a
-     token-embedding table's shape (DeepSeek-V3's multi-token-prediction head
-     ``layers/61/shared_head/head``): elsewhere there the name is the layer's own projection
-     (BERT's ``layer/0/output/dense`` and ``layer/0/attention/output/dense``: Muon). Numbered
-     parts after the name are the head's own (``classifier/1``, ``head/layers_1``: AdamW); a
-     head in a numbered container (``models/0/classifier``) of another shape needs ``labels``.
+     is ``logits_dense``): AdamW. Whole components only: ``heads`` is not ``head``. A name after
+     a numbered component (rule 8's: inside one of the repeated layers) that holds a named
+     module of its own is that layer's sub-module, not a head (BERT's ``layer/0/output/dense``
+     and ``layer/0/attention/output/dense``: Muon), unless the leaf has a token-embedding
+     table's shape. A name that owns the leaf (``ViT_0/head/kernel``, DeepSeek-V3's
+     multi-token-prediction head ``layers/61/shared_head/head``, ``models/0/classifier``) or
+     is followed by numbered parts (``classifier/1``, ``head/layers_1``) is a head.
   7. logical axis names (``names``; Linen boxes, NNX ``sharding`` metadata, short specs
      padded with None as Flax pads them) with a ``"vocab"`` axis, or with fewer than two
      axes besides the layer and expert axes (a vector per layer of a stack, a bias per
