@@ -328,6 +328,34 @@ def test_what_shows_no_stack_keeps_its_matrices_and_the_listed_rules_decide():
   assert default_label("blocks/w", (3, 16, 16), ("layers", "embed", "mlp")) == "muon"
 
 
+def test_a_projection_to_one_output_goes_to_adamw_scanned_as_unscanned():
+  """A ``Dense(1)`` (a scalar gate per token) is a vector stored as a column: AdamW unscanned
+  (rule 1), and stacked too where names or the layer type show its matrix, so scanning a model
+  does not move it to Muon."""
+  import equinox as eqx
+  from muonclip_jax._muon.labels import default_label
+
+  assert default_label("layers_0/gate/kernel", (16, 1)) == "adam"
+  assert default_label("layers/gate/kernel", (16, 3, 1), ("embed", "layers", None)) == "adam"
+  assert default_label("layers/gate/kernel", (3, 16, 1), ("layers", "embed", "mlp")) == "adam"
+  assert default_label("moe/wi/kernel", (4, 3, 16, 1), ("exp", "layers", "embed", "mlp")) == "adam"
+  # a side of size 1 inside a group is no vector: an MQA key kernel (embed, kv_heads=1, head_dim)
+  assert default_label("layers/key/kernel", (16, 3, 1, 8), ("embed", "layers", "kv_heads", "kv")) == "muon"
+  assert default_label("layers/mlp/kernel", (1, 16, 64), ("layers", "embed", "mlp")) == "muon"  # one layer
+
+  class Block(eqx.Module):
+    score: eqx.nn.Linear
+    proj: eqx.nn.Linear
+
+    def __init__(self, key):
+      self.score = eqx.nn.Linear(8, 1, use_bias=False, key=key)
+      self.proj = eqx.nn.Linear(8, 8, use_bias=False, key=key)
+
+  one = eqx.filter(Block(jax.random.key(0)), eqx.is_array)
+  stacked = eqx.filter(eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 3)), eqx.is_array)
+  assert _flat_labels({"b": one}) == _flat_labels({"b": stacked}) == {"b/score/weight": "adam", "b/proj/weight": "muon"}
+
+
 def _deepseek_layer(rng):
   """One DeepSeek-V3-style MoE layer as nested dicts: router, routing bias, two experts, attention."""
   def w(*shape):

@@ -141,10 +141,23 @@ def _head_in_numbered_layer(raw: list[str]) -> bool:
           and any(p[-1:].isdigit() for p in raw[:first]))
 
 
+def _unit_side(parts: list[str], shape: tuple[int, ...], names: tuple | None, role: str | None) -> bool:
+  """A matrix with a side of size 1 (rule 1): a 2-D leaf with an axis of size 1, or a stack whose
+  matrices are known to be such, by the layer type (an Equinox ``Linear``'s ``(*layers, out, in)``)
+  or by logical names (two axes besides the layer and expert axes, one of size 1)."""
+  if len(shape) == 2 or role == MATRIX:
+    return 1 in shape[-2:]
+  if names is None or len(names) != len(shape):
+    return False
+  batch = router_batch_names("/".join(parts), names)
+  sides = [size for size, n in zip(shape, names) if n not in batch]
+  return len(sides) == 2 and 1 in sides
+
+
 def _matrix_or_adam(parts: list[str], shape: tuple[int, ...], names: tuple | None,
                     vocab: frozenset[tuple[int, int]], role: str | None, numbered: bool,
                     head_numbered: bool = False) -> str:
-  if len(shape) < 2 or (len(shape) == 2 and 1 in shape) or role not in (None, MATRIX, STACKED_VECTOR):
+  if len(shape) < 2 or _unit_side(parts, shape, names, role) or role not in (None, MATRIX, STACKED_VECTOR):
     return ADAM
   if role is None and parts and (parts[-1] in _VECTOR_LEAF_NAMES or any(_is_norm(p) for p in parts)):
     return ADAM
@@ -215,7 +228,11 @@ def muon_labels(params: Any, *, router: str = MUON) -> Any:
      ``docs/your-model.md``, "Mixture of experts").
   1. rank < 2 (biases, norm scales, any vector), or a 2-D leaf with an axis of size 1 (a vector
      stored as a row or a column: Bart's ``final_logits_bias`` ``(1, vocab)``, a projection to
-     one output): AdamW.
+     one output): AdamW. Stacked too, where the stack's matrices are known: an Equinox
+     ``Linear(d, 1)`` under ``eqx.filter_vmap`` (``(layers, 1, d)``), a scanned kernel named
+     ``("embed", "layers", None)`` of shape ``(d, layers, 1)`` (two axes besides the layer and
+     expert axes, one of size 1). An unnamed ``(layers, d, 1)`` is left to rule 10: without
+     names its matrix is ``matrix_axes``' to declare.
   2. what the type of the layer that owns the leaf says it is (Equinox): a bias
      (``Linear.bias``), a norm's gain (``LayerNorm``, ``RMSNorm``, ``GroupNorm``,
      ``BatchNorm``) or an embedding table (``Embedding``):
