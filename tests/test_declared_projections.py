@@ -122,6 +122,51 @@ def test_maxtext_layer_axis_1_declared_or_read_from_logical_names():
   assert jax.tree.leaves(lookup, is_leaf=lambda x: isinstance(x, mc.MatrixAxes))[0] == mc.MatrixAxes((0,), (2, 3))
 
 
+@pytest.mark.parametrize("heads", [2, 3])  # 3: as many heads as layers, so the bias's shape cannot tell
+def test_layer_axis_1_biases_are_clipped_where_nn_scan_stores_them(heads):
+  """``nn.scan(param_scan_axis=1)`` puts the layer axis at index 1 of every parameter: the kernel
+  ``(embed, layers, heads, kv)``, the bias ``(heads, layers, kv)``. Each layer's clip equals the
+  unscanned layer's, whether its names or its declared axes say where the layer axis is."""
+  layers, d, hd, tau = 3, 6, 4, 2.0
+
+  class Attn(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      def proj(name):
+        return nn.DenseGeneral((heads, hd), name=name, bias_init=nn.with_logical_partitioning(
+            nn.initializers.normal(1.0), ("heads", "kv")), kernel_init=nn.with_logical_partitioning(
+                nn.initializers.lecun_normal(), ("embed", "heads", "kv")))(x)
+      return x + proj("query").sum(-1) @ jnp.ones((heads, d)) + proj("key").sum(-1) @ jnp.ones((heads, d)), None
+
+  scan = nn.scan(Attn, variable_axes={"params": 1}, split_rngs={"params": True}, length=layers,
+                 metadata_params={nn.PARTITION_NAME: "layers"})
+  boxed = scan(name="attn").init(jax.random.key(0), jnp.ones((1, d)), None)["params"]
+  assert boxed["query"]["bias"].names == ("heads", "layers", "kv")
+  s = _maxima(layers, heads) * np.float32(2.0)
+  lay = GQALayout(heads, heads, hd, query="query", key="key")
+  declared = GQALayout(heads, heads, hd, query=Projection("query", axes=("in", "layers", "heads", "head_dim")),
+                       key=Projection("key", axes=("in", "layers", "heads", "head_dim")))
+  raw = jax.tree.map(np.asarray, nn.unbox(boxed))
+  for params, layout in ((boxed, lay), (raw, declared)):
+    got = nn.unbox(qk_clip({"attn": params}, {"attn": {"max_logits": s}}, qk_clip_threshold=tau, layout=layout))
+    for i in range(layers):
+      one = jax.tree.map(lambda a: np.take(a, i, axis=1), raw)
+      want = qk_clip(one, {"max_logits": s[i]}, qk_clip_threshold=tau, layout=lay)
+      for leaf in ("query/kernel", "query/bias", "key/kernel", "key/bias"):
+        module, name = leaf.split("/")
+        _close(np.take(np.asarray(got["attn"][module][name]), i, axis=1), want[module][name])
+  # the layer axis first in the bias (the kernel's axes less 'in') is read too, where the shape tells
+  if heads != layers:
+    first = {m: {"kernel": raw[m]["kernel"], "bias": np.swapaxes(raw[m]["bias"], 0, 1)} for m in raw}
+    got = qk_clip({"attn": first}, {"attn": {"max_logits": s}}, qk_clip_threshold=tau, layout=declared)
+    want = qk_clip({"attn": raw}, {"attn": {"max_logits": s}}, qk_clip_threshold=tau, layout=declared)
+    _close(np.swapaxes(got["attn"]["key"]["bias"], 0, 1), want["attn"]["key"]["bias"])
+    bad = dict(boxed, key=dict(boxed["key"], bias=nn.Partitioned(raw["key"]["bias"], names=("heads", "kv", "layers"))))
+    with pytest.raises(ValueError, match=r"attn/key/bias has shape \(2, 3, 4\) and logical names \('heads', 'kv', "
+                                         r"'layers'\); expected \(2, 3, 4\) or \(3, 2, 4\)"):
+      qk_clip({"attn": bad}, {"attn": {"max_logits": s}}, qk_clip_threshold=tau, layout=lay)
+
+
 def test_declared_shape_mismatch_names_path_axes_and_shape():
   q = _normal(4, 6, 8)
   lay = GQALayout(4, 4, 8, query=Projection("q", leaf="w", axes=("heads", "in", "head_dim")),

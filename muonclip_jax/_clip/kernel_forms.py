@@ -39,8 +39,8 @@ import jax.numpy as jnp
 from .equinox import linear_leaf
 from .layouts import GQALayout, MLALayout
 from .._util import join
-from .projection import (as_projection, axes_from_logical, declared_factor, declared_stack, flat_columns,
-                         kernel_factor, Projection)
+from .projection import (as_projection, axes_from_logical, declared_bias_order, declared_factor, declared_stack,
+                         flat_columns, kernel_factor, Projection)
 
 Shape = tuple[int, ...]
 Part = tuple[str | None, int, int]  # (role or None for never-scaled value columns, heads, width)
@@ -82,6 +82,7 @@ class Found:
   form: str
   stack: Shape
   has_bias: bool
+  bias_order: tuple[int, ...] | None = None  # a declared kernel's bias: ``declared_bias_order``
 
   @property
   def name(self) -> str:
@@ -121,6 +122,8 @@ class Found:
       kf = kernel_factor(self.spec.axes, factor)
     else:
       kf = jnp.expand_dims(factor, len(self.stack))
+    if self.bias_order is not None:
+      factor = jnp.transpose(factor, self.bias_order)
     return scale(kernel, kf), (None if bias is None else scale(bias, factor))
 
 
@@ -302,6 +305,7 @@ def detect(
     )
   names, typed, raw = names or {}, typed or {}, raw or {}
   fits: dict[Projection, list[tuple[str, Shape]]] = {}
+  orders: dict[Projection, tuple[int, ...] | None] = {}  # declared kernels' bias orders
   for spec, parts in list(parts_of.items()):
     kernel, bias = shapes[spec.kernel], shapes.get(spec.bias)
     if spec.axes is None:
@@ -315,8 +319,10 @@ def detect(
           raise ValueError(f"{caller}: {join(module, spec.kernel)}: the axes {axes} read from {origin}: {e}") from None
         parts_of[spec] = parts
     if spec.axes is not None:
-      s = declared_stack(caller, join(module, spec.kernel), spec.axes, kernel, parts,
-                         join(module, spec.bias), bias)
+      s = declared_stack(caller, join(module, spec.kernel), spec.axes, kernel, parts)
+      if bias is not None:
+        orders[spec] = declared_bias_order(caller, join(module, spec.kernel), spec.axes, kernel,
+                                           join(module, spec.bias), bias, names.get(spec.bias))
       fits[spec] = [(DECLARED, s)]
       continue
     kernel_fits = [(f, s) for f in _forms(parts, spec.grouped) if (s := _fits(f, parts, kernel, None)) is not None]
@@ -394,7 +400,7 @@ def detect(
           "muonclip_jax.Projection(name, axes=...) would tell it)"
       )
     form, s = fl[0]
-    projections.append(Found(spec, parts_of[spec], form, s, spec.bias in shapes))
+    projections.append(Found(spec, parts_of[spec], form, s, spec.bias in shapes, orders.get(spec)))
   if isinstance(lay, MLALayout):
     kv = next(p for p in projections if p.name == as_projection(lay.key_value).name)
     _check_mla_rope(module, lay, shapes, kv, caller)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from .._util import check_bool, LOGICAL_AXES, MatrixAxes
+from .._util import check_bool, LAYER_NAMES, LOGICAL_AXES, MatrixAxes
 
 AXES = ("layers", "in", "heads", "head_dim", "out", "parts")
 PARTS = ("q", "k", "v")
@@ -49,7 +49,9 @@ class Projection:
   Attributes:
     name: the projection's sub-module path under the attention module; may contain ``/``.
     leaf: the kernel's leaf name (``"kernel"``; Gemma: ``"w"``). A bias is the leaf
-      ``bias`` next to it, with the kernel's axes less the ``"in"`` axes.
+      ``bias`` next to it, with the kernel's axes less the ``"in"`` axes; its layer axes
+      where ``nn.scan`` puts them (``param_scan_axis=1``: ``(heads, layers, head_dim)``
+      beside the kernel ``(in, layers, heads, head_dim)``) or first (``declared_bias_order``).
     axes: ``None`` (the form is detected from the layout and the shapes, or read from
       logical axis names), or one name per kernel axis, in storage order:
       ``"layers"``: a stacked layer axis (any position, any number of them);
@@ -191,9 +193,8 @@ def fits_declared(axes: tuple[str, ...], shape, parts) -> bool:
   return _expected_shape(axes, tuple(shape), parts) == tuple(shape)
 
 
-def declared_stack(caller: str, path: str, axes, shape, parts, bias_path: str | None = None,
-                   bias_shape=None) -> tuple[int, ...]:
-  """Checks a declared kernel (and bias) against ``parts``; returns the stacked-layer shape."""
+def declared_stack(caller: str, path: str, axes, shape, parts) -> tuple[int, ...]:
+  """Checks a declared kernel against ``parts``; returns the stacked-layer shape."""
   shape = tuple(shape)
   want = _expected_shape(axes, shape, parts)
   need = " | ".join(f"{role or 'value'}: {h} heads of {w} columns" for role, h, w in parts)
@@ -205,14 +206,42 @@ def declared_stack(caller: str, path: str, axes, shape, parts, bias_path: str | 
         f"{caller}: {path} has shape {shape}, which does not match its declared axes {axes}"
         f" ({need}{'' if want is None else f': expected {want}'}){hint}"
     )
-  if bias_shape is not None:
-    want_bias = tuple(n for a, n in zip(axes, shape) if a != "in")
-    if tuple(bias_shape) != want_bias:
-      raise ValueError(
-          f"{caller}: {bias_path} has shape {tuple(bias_shape)}; expected {want_bias}, the shape of "
-          f"{path} {shape} (declared axes {axes}) without its 'in' axes"
-      )
   return tuple(n for a, n in zip(axes, shape) if a == "layers")
+
+
+def declared_bias_order(caller: str, path: str, axes, shape, bias_path: str, bias_shape,
+                        bias_names=None) -> tuple[int, ...] | None:
+  """How the bias of a declared kernel stores its axes: the permutation that takes the kernel's
+  axes less ``"in"`` (the order of ``declared_factor``) to the bias's; None for that order itself.
+
+  Two orders are read. ``nn.scan``'s: it puts a layer axis at the same index of every parameter
+  (``param_scan_axis``), so the bias holds its layer axes where the kernel does, and its other
+  axes in the kernel's order (MaxText's ``param_scan_axis=1``: kernel ``(embed, layers, heads,
+  head_dim)``, bias ``(heads, layers, head_dim)``); and the kernel's axes less ``"in"``
+  (``(layers, heads, head_dim)``). They differ only when an ``"in"`` axis precedes a layer axis.
+  Where both fit the shape, the bias's logical names decide (its stacked-layer axes' positions),
+  else ``nn.scan``'s. ValueError naming ``bias_path`` when neither fits, or the names fit neither.
+  """
+  rest = [i for i, a in enumerate(axes) if a != "in"]
+  scan = [i for i in rest if axes[i] != "layers"]
+  for i in rest:
+    if axes[i] == "layers":
+      scan.insert(min(i, len(scan)), i)
+  orders = list(dict.fromkeys([tuple(rest.index(i) for i in scan), tuple(range(len(rest)))]))
+  bias_shape = tuple(bias_shape)
+  fit = [o for o in orders if tuple(shape[rest[j]] for j in o) == bias_shape]
+  if bias_names is not None and len(bias_names) == len(bias_shape):
+    layer_at = [k for k, n in enumerate(bias_names) if n in LAYER_NAMES]
+    fit = [o for o in fit if [k for k, j in enumerate(o) if axes[rest[j]] == "layers"] == layer_at]
+  if not fit:
+    want = " or ".join(str(tuple(shape[rest[j]] for j in o)) for o in orders)
+    named = "" if bias_names is None else f" and logical names {tuple(bias_names)}"
+    raise ValueError(
+        f"{caller}: {bias_path} has shape {bias_shape}{named}; expected {want}, the shape of {path} {tuple(shape)} "
+        f"(declared axes {axes}) without its 'in' axes, its layer axes where nn.scan puts them (at the kernel's "
+        "positions) or first"
+    )
+  return None if fit[0] == tuple(range(len(rest))) else fit[0]
 
 
 def flat_columns(per_part: Sequence[jax.Array], groups: int = 0) -> jax.Array:
