@@ -328,6 +328,74 @@ def test_what_shows_no_stack_keeps_its_matrices_and_the_listed_rules_decide():
   assert default_label("blocks/w", (3, 16, 16), ("layers", "embed", "mlp")) == "muon"
 
 
+class _BertLike(nn.Module):
+  """BERT's layer: an MLP whose down projection is ``output/dense``, and an attention whose query is a
+  DenseGeneral ``(d, heads, head_dim)`` beside Dense keys, values and output, without biases (every
+  leaf of the attention leads with d). Unscanned (``layer_<i>``) or ``nn.scan``-ned (``layer``)."""
+
+  scan: bool
+  names: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    def init(*names):
+      return nn.with_logical_partitioning(nn.initializers.lecun_normal(), names) if self.names else \
+          nn.initializers.lecun_normal()
+
+    class Output(nn.Module):
+      @nn.compact
+      def __call__(self, h):
+        return nn.Dense(8, use_bias=False, kernel_init=init("mlp", "embed"), name="dense")(h)
+
+    class Layer(nn.Module):
+      @nn.compact
+      def __call__(self, x, _):
+        q = nn.DenseGeneral((2, 4), use_bias=False, kernel_init=init("embed", "heads", "kv"), name="query")(x)
+        kv = [nn.Dense(8, use_bias=False, kernel_init=init("embed", "mlp"), name=n)(x) for n in ("key", "value")]
+        a = nn.Dense(8, use_bias=False, kernel_init=init("mlp", "embed"), name="out")(q.reshape(x.shape) * sum(kv))
+        h = nn.Dense(16, use_bias=False, kernel_init=init("embed", "mlp"), name="intermediate")(x + a)
+        return x + Output(name="output")(h), None
+
+    if self.scan:
+      meta = {nn.PARTITION_NAME: "layers"} if self.names else {}
+      return nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=2,
+                     metadata_params=meta)(name="layer")(x, None)[0]
+    for i in range(2):
+      x = Layer(name=f"layer_{i}")(x, None)[0]
+    return x
+
+
+def test_a_layers_sub_modules_are_matrices_scanned_as_unscanned():
+  """A head name holding a module of its own inside stacked layers is the layer's sub-module (BERT's
+  ``output/dense``), as inside numbered ones; and an unscanned attention whose leaves all lead with the
+  model width is no stack (its 2-D kernels stay matrices). Linen with and without names, Equinox."""
+  import equinox as eqx
+
+  want = {"intermediate", "key", "out", "output/dense", "query", "value"}
+  for scan, names in ((False, False), (True, False), (True, True)):
+    params = jax.eval_shape(_BertLike(scan, names).init, jax.random.key(0), jnp.ones((1, 8)))["params"]
+    labels = {p.split("/", 1)[1].rsplit("/", 1)[0]: l for p, l in _flat_labels(params).items()}
+    assert labels == dict.fromkeys(want, "muon"), (scan, names, labels)
+
+  class Output(eqx.Module):
+    dense: eqx.nn.Linear
+
+  class Block(eqx.Module):
+    output: Output
+
+    def __init__(self, key):
+      self.output = Output(eqx.nn.Linear(16, 8, key=key))
+
+  keys = jax.random.split(jax.random.key(0), 2)
+  assert _flat_labels({"layer": eqx.filter(eqx.filter_vmap(Block)(keys), eqx.is_array)}) == {
+      "layer/output/dense/weight": "muon", "layer/output/dense/bias": "adam"}
+  assert _flat_labels({"layer": eqx.filter([Block(k) for k in keys], eqx.is_array)})["layer/0/output/dense/weight"] \
+      == "muon"
+  # a head that owns its leaf stays a head, stacked too
+  assert _flat_labels({"layers": {"mlp": {"w": jnp.ones((2, 8, 16))}, "head": {"w": jnp.ones((2, 8, 16))}}}) == {
+      "layers/mlp/w": "muon", "layers/head/w": "adam"}
+
+
 def test_a_projection_to_one_output_goes_to_adamw_scanned_as_unscanned():
   """A ``Dense(1)`` (a scalar gate per token) is a vector stored as a column: AdamW unscanned
   (rule 1), and stacked too where names or the layer type show its matrix, so scanning a model

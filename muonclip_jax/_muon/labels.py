@@ -116,29 +116,33 @@ def _in_numbered_layer(parts: list[str]) -> bool:
 
 def default_label(path: str, shape: tuple[int, ...], names: tuple | None = None, *,
                   vocab: frozenset[tuple[int, int]] = frozenset(), role: str | None = None,
-                  router: str = MUON) -> str:
+                  router: str = MUON, stacked: bool = False) -> str:
   """``"muon"`` for a hidden weight matrix, ``"frozen"`` for a routing bias, ``"adam"`` for everything else.
 
   The rules, in order, are listed in ``muon_labels``' docstring (``role`` is what the type
   of the layer that owns the leaf says, rules 2 and 9; ``vocab`` the tree's embedding tables,
-  rule 8; ``router`` the label of a router's matrix, rule 10).
+  rule 8; ``router`` the label of a router's matrix, rule 10; ``stacked``: the leaf lies in a
+  sub-tree that its stack shows to be stacked layers, ``read_stacks``, rule 6).
   """
   raw = [p for p in path.split("/") if p]
   parts = [p.lower() for p in raw]
   if parts and parts[-1] in ROUTING_BIAS_NAMES:
     return FROZEN
-  label = _matrix_or_adam(parts, shape, names, vocab, role, _in_numbered_layer(raw), _head_in_numbered_layer(raw))
+  stacked = (stacked or (role == MATRIX and len(shape) >= 3)
+             or (names is not None and any(n in LAYER_NAMES for n in names)))
+  label = _matrix_or_adam(parts, shape, names, vocab, role, _in_numbered_layer(raw), _head_in_layer(raw, stacked))
   return router if label == MUON and _is_router(parts) else label
 
 
-def _head_in_numbered_layer(raw: list[str]) -> bool:
-  """A head name (rule 6) that names a repeated layer's own sub-module: after a numbered component
-  and holding a named module of its own (BERT's ``layer/0/output/dense``). A head name that owns
-  the leaf (``ViT_0/head/kernel``, ``models/0/classifier/kernel``) or is followed by numbered parts
+def _head_in_layer(raw: list[str], stacked: bool) -> bool:
+  """A head name (rule 6) that names a repeated layer's own sub-module: inside a layer (after a
+  numbered component, or in stacked layers) and holding a named module of its own (BERT's
+  ``layer/0/output/dense``, scanned ``layer/output/dense``). A head name that owns the leaf
+  (``ViT_0/head/kernel``, ``models/0/classifier/kernel``) or is followed by numbered parts
   (``classifier/1/kernel``) names a head."""
   first = next((i for i, p in enumerate(raw) if p.lower() in _HEAD_NAMES), None)
   return (first is not None and first < len(raw) - 2 and not raw[first + 1][-1:].isdigit()
-          and any(p[-1:].isdigit() for p in raw[:first]))
+          and (stacked or any(p[-1:].isdigit() for p in raw[:first])))
 
 
 def _unit_side(parts: list[str], shape: tuple[int, ...], names: tuple | None, role: str | None) -> bool:
@@ -174,46 +178,54 @@ def _matrix_or_adam(parts: list[str], shape: tuple[int, ...], names: tuple | Non
   return ADAM if role == STACKED_VECTOR else MUON
 
 
-def stacked_vectors(params: Any) -> frozenset[str]:
-  """Paths of the 2-D leaves that their stack shows to be one vector per layer (rule 9 of ``default_label``).
+def read_stacks(params: Any) -> tuple[frozenset[str], frozenset[str]]:
+  """What stacks of layers show: the paths of the 2-D leaves that are one vector per layer (rule
+  9 of ``default_label``), and of every leaf that lies in stacked layers (rule 6).
 
   Stacking layers (``nn.scan``, ``eqx.filter_vmap``, ``jnp.stack`` by hand) puts one leading
   axis of the same size L on every leaf of the stacked sub-tree: a norm gain becomes
-  ``(L, dim)``, a kernel ``(L, in, out)``. A 2-D leaf ``(L, dim)`` is read as a stacked
-  vector when the largest sub-tree above it in which every leaf has rank >= 2 and the same
-  leading size holds a leaf of rank >= 3 (a stacked matrix, which shows the layer axis).
-  Unstacked layers have rank-1 vectors (biases, gains) beside their matrices, and their
-  matrices' leading sizes differ (``(d, 4d)`` and ``(4d, d)``), so such a sub-tree does not
-  form there. A router (a path component ``gate`` or ``router``) is never read as stacked:
-  stored ``(experts, d)`` beside its ``(experts, d, f)`` experts, its leading size is theirs,
-  yet it is one matrix. What can still be read as stacked: another genuine ``(E, d)`` matrix
-  in a sub-tree whose every leaf has leading size E and rank >= 2 next to a rank-3 leaf: it
-  then goes to AdamW (pass ``labels`` to send it to Muon). Leaves with logical names or of
-  a known layer type are left to those (not returned).
+  ``(L, dim)``, a kernel ``(L, in, out)``. A sub-tree of two leaves or more in which every
+  leaf has rank >= 2 and the same leading size, and one has rank >= 3 (a stacked matrix,
+  which shows the layer axis), is read as stacked layers; a leaf lies in stacked layers when
+  the largest such sub-tree above it is one. A 2-D leaf ``(L, dim)`` there is a stacked vector,
+  unless it is named ``kernel`` (Flax's name for a matrix: stacked, a kernel has rank >= 3;
+  an unscanned attention of a DenseGeneral query ``(d, heads, head_dim)`` beside Dense
+  ``(d, kv)`` keys and values has the same leading size everywhere) or is a router's (a path
+  component ``gate`` or ``router``: stored ``(experts, d)`` beside its ``(experts, d, f)``
+  experts, its leading size is theirs, yet it is one matrix). Unstacked layers have rank-1
+  vectors (biases, gains) beside their matrices, and their matrices' leading sizes differ
+  (``(d, 4d)`` and ``(4d, d)``), so such a sub-tree does not form there. What can still be
+  read as stacked: another genuine ``(E, d)`` matrix not named ``kernel`` in a sub-tree whose
+  every leaf has leading size E and rank >= 2 next to a rank-3 leaf: it then goes to AdamW
+  (pass ``labels`` to send it to Muon). Leaves with logical names or of a known layer type
+  are left to those (not returned).
   """
   flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_box)[0]
   roles = leaf_roles(params)
-  leaves = [(path_str(p), leaf_shape(x), is_box(x) and logical_names(x) is not None) for p, x in flat]
-  subtrees: dict[tuple[str, ...], list] = {}  # prefix -> [leading sizes, smallest rank, holds rank >= 3]
-  for path, shape, _ in leaves:
+  leaves = [(path_str(p), leaf_shape(x)) for p, x in flat
+            if not (is_box(x) and logical_names(x) is not None) and path_str(p) not in roles]
+  everything = [(path_str(p), leaf_shape(x)) for p, x in flat]
+  subtrees: dict[tuple[str, ...], list] = {}  # prefix -> [leading sizes, smallest rank, holds rank >= 3, leaves]
+  for path, shape in everything:
     parts = tuple(path.split("/"))
     for cut in range(len(parts)):
-      entry = subtrees.setdefault(parts[:cut], [set(), len(shape), False])
+      entry = subtrees.setdefault(parts[:cut], [set(), len(shape), False, 0])
       entry[0].add(shape[0] if shape else None)
       entry[1] = min(entry[1], len(shape))
       entry[2] = entry[2] or len(shape) >= 3
-  found = set()
-  for path, shape, named in leaves:
-    if len(shape) != 2 or named or path in roles or _is_router(path.lower().split("/")):
-      continue
+      entry[3] += 1
+  vectors, members = set(), set()
+  for path, shape in leaves:
     parts = tuple(path.split("/"))
     for cut in range(len(parts)):  # from the root down: the first that qualifies is the largest
-      sizes, rank, has_matrix = subtrees[parts[:cut]]
+      sizes, rank, has_matrix, count = subtrees[parts[:cut]]
       if len(sizes) == 1 and rank >= 2:
-        if has_matrix:
-          found.add(path)
+        if has_matrix and count >= 2:
+          members.add(path)
+          if len(shape) == 2 and parts[-1] != "kernel" and not _is_router([p.lower() for p in parts]):
+            vectors.add(path)
         break
-  return frozenset(found)
+  return frozenset(vectors), frozenset(members)
 
 
 def muon_labels(params: Any, *, router: str = MUON) -> Any:
@@ -247,10 +259,12 @@ def muon_labels(params: Any, *, router: str = MUON) -> Any:
      leaf name): AdamW.
   6. a path component named ``lm_head``, ``head``, ``unembed``, ``output``, ``output_head``,
      ``output_layer``, ``logits``, ``logits_dense`` or ``classifier`` (output heads; MaxText's
-     is ``logits_dense``): AdamW. Whole components only: ``heads`` is not ``head``. A name after
-     a numbered component (rule 8's: inside one of the repeated layers) that holds a named
-     module of its own is that layer's sub-module, not a head (BERT's ``layer/0/output/dense``
-     and ``layer/0/attention/output/dense``: Muon), unless the leaf has a token-embedding
+     is ``logits_dense``): AdamW. Whole components only: ``heads`` is not ``head``. A name inside
+     one of the repeated layers (after a numbered component, rule 8's, or in stacked layers:
+     a layer axis in its logical names, a stacked Equinox ``Linear``, or ``read_stacks``)
+     that holds a named module of its own is that layer's sub-module, not a head (BERT's
+     ``layer/0/output/dense`` and ``layer/0/attention/output/dense``, scanned
+     ``layer/output/dense``: Muon), unless the leaf has a token-embedding
      table's shape. A name that owns the leaf (``ViT_0/head/kernel``, DeepSeek-V3's
      multi-token-prediction head ``layers/61/shared_head/head``, ``models/0/classifier``) or
      is followed by numbered parts (``classifier/1``, ``head/layers_1``) is a head.
@@ -270,11 +284,12 @@ def muon_labels(params: Any, *, router: str = MUON) -> Any:
      stays with Muon.
      Outside those, a hidden matrix of that shape goes to AdamW too: pass ``labels``.
   9. ``role`` ``STACKED_VECTOR``: a 2-D leaf without logical names or a known layer type
-     that its stack shows to be one vector per layer (``stacked_vectors``: the largest
+     that its stack shows to be one vector per layer (``read_stacks``: the largest
      sub-tree above it whose leaves all share its leading size and all have rank >= 2
      holds a leaf of rank >= 3, a stacked matrix): AdamW. This covers ``nn.scan`` without
      logical names, ``eqx.filter_vmap`` stacks of layers of unknown types and hand-made
-     stacks. Not applied to a router (below).
+     stacks. Not applied to a router (below), nor to a leaf named ``kernel`` (Flax's
+     matrices; stacked, a kernel has rank >= 3).
   10. everything else of rank >= 2: Muon (stacked layers, expert stacks and DenseGeneral
       kernels included; which axes form the matrix is ``matrix_axes``'s business). A
       mixture-of-experts router, i.e. a leaf under a path component named ``gate`` or
@@ -323,17 +338,18 @@ def muon_labels(params: Any, *, router: str = MUON) -> Any:
   """
   if router not in (MUON, ADAM):
     raise ValueError(f"muon_labels: router must be {MUON!r} or {ADAM!r}, got {router!r}")
-  vocab, roles, stacked = vocab_sizes(params), leaf_roles(params), stacked_vectors(params)
+  vocab, roles, (vectors, stacked) = vocab_sizes(params), leaf_roles(params), read_stacks(params)
 
   def role(path):
-    return roles[path].kind if path in roles else (STACKED_VECTOR if path in stacked else None)
+    return roles[path].kind if path in roles else (STACKED_VECTOR if path in vectors else None)
 
   def label(p, x):
     path = path_str(p)
     if not is_box(x):
-      return default_label(path, tuple(x.shape), vocab=vocab, role=role(path), router=router)
+      return default_label(path, tuple(x.shape), vocab=vocab, role=role(path), router=router,
+                           stacked=path in stacked)
     return jax.tree.map(lambda _: default_label(path, leaf_shape(x), logical_names(x), vocab=vocab, role=role(path),
-                                                router=router), x)
+                                                router=router, stacked=path in stacked), x)
 
   return jax.tree_util.tree_map_with_path(label, params, is_leaf=is_box)
 
