@@ -306,6 +306,13 @@ def test_stacked_vectors_go_to_adamw_when_their_stack_shows_the_layer_axis():
   assert _flat_labels(by_hand) == {"layers/ffn/w_in": "muon", "layers/ffn/w_out": "muon",
                                    "layers/gate_gain": "adam", "layers/w_gate": "muon",
                                    "final/w": "muon", "final/b": "adam"}
+  # unnamed experts with a bias per expert (E, f), unscanned and scanned (L, E, f): a vector either way
+  def experts(*lead):
+    return {"wi": jnp.ones((*lead, 4, 8, 16)), "bi": jnp.ones((*lead, 4, 16)), "wo": jnp.ones((*lead, 4, 16, 8))}
+  want = {"experts/wi": "muon", "experts/bi": "adam", "experts/wo": "muon", "router/w": "muon"}
+  for lead, prefix in (((), "layers_0/"), ((3,), "layers/")):
+    tree = {prefix[:-1]: {"router": {"w": jnp.ones((*lead, 8, 4))}, "experts": experts(*lead)}}
+    assert _flat_labels(tree) == {prefix + k: v for k, v in want.items()}, lead
 
 
 def test_what_shows_no_stack_keeps_its_matrices_and_the_listed_rules_decide():

@@ -17,6 +17,7 @@ rule) is ``"frozen"``: ``muon_adamw`` leaves it as it is, with no weight decay.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -179,8 +180,8 @@ def _matrix_or_adam(parts: list[str], shape: tuple[int, ...], names: tuple | Non
 
 
 def read_stacks(params: Any) -> tuple[frozenset[str], frozenset[str]]:
-  """What stacks of layers show: the paths of the 2-D leaves that are one vector per layer (rule
-  9 of ``default_label``), and of every leaf that lies in stacked layers (rule 6).
+  """What stacks of layers show: the paths of the leaves that are one vector per layer (rule 9 of
+  ``default_label``), and of every leaf that lies in stacked layers (rule 6).
 
   Stacking layers (``nn.scan``, ``eqx.filter_vmap``, ``jnp.stack`` by hand) puts one leading
   axis of the same size L on every leaf of the stacked sub-tree: a norm gain becomes
@@ -194,7 +195,10 @@ def read_stacks(params: Any) -> tuple[frozenset[str], frozenset[str]]:
   component ``gate`` or ``router``: stored ``(experts, d)`` beside its ``(experts, d, f)``
   experts, its leading size is theirs, yet it is one matrix). Unstacked layers have rank-1
   vectors (biases, gains) beside their matrices, and their matrices' leading sizes differ
-  (``(d, 4d)`` and ``(4d, d)``), so such a sub-tree does not form there. What can still be
+  (``(d, 4d)`` and ``(4d, d)``), so such a sub-tree does not form there. Scanned experts
+  stack twice: a sub-tree whose leaves all lead with the same two sizes ``(L, E)`` and have
+  rank >= 3, one rank >= 4, shows layers of experts, and a 3-D leaf ``(L, E, f)`` there is a
+  vector per layer and expert (an unnamed per-expert bias, ``(E, f)`` unscanned). What can still be
   read as stacked: another genuine ``(E, d)`` matrix not named ``kernel`` in a sub-tree whose
   every leaf has leading size E and rank >= 2 next to a rank-3 leaf: it then goes to AdamW
   (pass ``labels`` to send it to Muon). Leaves with logical names or of a known layer type
@@ -205,26 +209,30 @@ def read_stacks(params: Any) -> tuple[frozenset[str], frozenset[str]]:
   leaves = [(path_str(p), leaf_shape(x)) for p, x in flat
             if not (is_box(x) and logical_names(x) is not None) and path_str(p) not in roles]
   everything = [(path_str(p), leaf_shape(x)) for p, x in flat]
-  subtrees: dict[tuple[str, ...], list] = {}  # prefix -> [leading sizes, smallest rank, holds rank >= 3, leaves]
+  # (k, prefix) -> [leading k sizes, smallest rank, holds rank >= k + 2, leaves]: k = 1 stacks
+  # layers (or experts), k = 2 layers of experts
+  subtrees: dict[tuple[int, tuple[str, ...]], list] = {}
   for path, shape in everything:
     parts = tuple(path.split("/"))
-    for cut in range(len(parts)):
-      entry = subtrees.setdefault(parts[:cut], [set(), len(shape), False, 0])
-      entry[0].add(shape[0] if shape else None)
+    for k, cut in itertools.product((1, 2), range(len(parts))):
+      entry = subtrees.setdefault((k, parts[:cut]), [set(), len(shape), False, 0])
+      entry[0].add(shape[:k] if len(shape) >= k else None)
       entry[1] = min(entry[1], len(shape))
-      entry[2] = entry[2] or len(shape) >= 3
+      entry[2] = entry[2] or len(shape) >= k + 2
       entry[3] += 1
   vectors, members = set(), set()
   for path, shape in leaves:
     parts = tuple(path.split("/"))
-    for cut in range(len(parts)):  # from the root down: the first that qualifies is the largest
-      sizes, rank, has_matrix, count = subtrees[parts[:cut]]
-      if len(sizes) == 1 and rank >= 2:
-        if has_matrix and count >= 2:
-          members.add(path)
-          if len(shape) == 2 and parts[-1] != "kernel" and not _is_router([p.lower() for p in parts]):
-            vectors.add(path)
-        break
+    for k in (1, 2):
+      for cut in range(len(parts)):  # from the root down: the first that qualifies is the largest
+        sizes, rank, has_matrix, count = subtrees[(k, parts[:cut])]
+        if len(sizes) == 1 and rank >= k + 1:
+          if has_matrix and count >= 2:
+            if k == 1:
+              members.add(path)
+            if len(shape) == k + 1 and parts[-1] != "kernel" and not _is_router([p.lower() for p in parts]):
+              vectors.add(path)
+          break
   return frozenset(vectors), frozenset(members)
 
 
@@ -286,7 +294,8 @@ def muon_labels(params: Any, *, router: str = MUON) -> Any:
   9. ``role`` ``STACKED_VECTOR``: a 2-D leaf without logical names or a known layer type
      that its stack shows to be one vector per layer (``read_stacks``: the largest
      sub-tree above it whose leaves all share its leading size and all have rank >= 2
-     holds a leaf of rank >= 3, a stacked matrix): AdamW. This covers ``nn.scan`` without
+     holds a leaf of rank >= 3, a stacked matrix), or a 3-D one per layer and expert (the
+     same with two leading sizes): AdamW. This covers ``nn.scan`` without
      logical names, ``eqx.filter_vmap`` stacks of layers of unknown types and hand-made
      stacks. Not applied to a router (below), nor to a leaf named ``kernel`` (Flax's
      matrices; stacked, a kernel has rank >= 3).
