@@ -81,6 +81,10 @@ def axes_from_names(path: str, shape: tuple[int, ...], names: tuple) -> MatrixAx
           f"{names}: expected two axes besides the batch axes (stacked layers {LAYER_NAMES!r}, experts "
           f"{sorted(EXPERT_NAMES)}), or, all named, a group of head axes {sorted(HEAD_AXIS_NAMES)} "
           "before or after the other axes; pass matrix_axes=MatrixAxes(fan_in=..., fan_out=...) for it")
+  if names[-1] is None and len(names) >= 3:  # how a stack whose layer axis nothing names reads
+    fail += (f"; names shorter than the shape are padded with None at the end, as Flax pads them: if the "
+             f"parameter is stacked, name its layer axis '{LAYERS}' (nnx.vmap/nnx.scan(..., transform_metadata="
+             f"{{nnx.PARTITION_NAME: '{LAYERS}'}}), nn.scan(..., metadata_params={{nn.PARTITION_NAME: '{LAYERS}'}}))")
   if len(rest) == 2:
     return MatrixAxes((rest[0],), (rest[1],))
   if len(rest) < 2 or any(names[a] is None for a in rest):
