@@ -161,6 +161,11 @@ def test_layer_axis_1_biases_are_clipped_where_nn_scan_stores_them(heads):
     got = qk_clip({"attn": first}, {"attn": {"max_logits": s}}, qk_clip_threshold=tau, layout=declared)
     want = qk_clip({"attn": raw}, {"attn": {"max_logits": s}}, qk_clip_threshold=tau, layout=declared)
     _close(np.swapaxes(got["attn"]["key"]["bias"], 0, 1), want["attn"]["key"]["bias"])
+    # a layer axis under a name the library does not read ("layer"): the shape decides
+    unread = nn.Partitioned(raw["key"]["bias"], names=("heads", "layer", "kv"))
+    other = dict(boxed, key=dict(boxed["key"], bias=unread))
+    got = qk_clip({"attn": other}, {"attn": {"max_logits": s}}, qk_clip_threshold=tau, layout=declared)
+    _close(nn.unbox(got)["attn"]["key"]["bias"], want["attn"]["key"]["bias"])
     bad = dict(boxed, key=dict(boxed["key"], bias=nn.Partitioned(raw["key"]["bias"], names=("heads", "kv", "layers"))))
     with pytest.raises(ValueError, match=r"attn/key/bias has shape \(2, 3, 4\) and logical names \('heads', 'kv', "
                                          r"'layers'\); expected \(2, 3, 4\) or \(3, 2, 4\)"):

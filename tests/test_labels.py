@@ -314,6 +314,14 @@ def test_stacked_vectors_go_to_adamw_when_their_stack_shows_the_layer_axis():
   for lead, prefix in (((), "layers_0/"), ((3,), "layers/")):
     tree = {prefix[:-1]: {"router": {"w": jnp.ones((*lead, 8, 4))}, "experts": experts(*lead)}}
     assert _flat_labels(tree) == {prefix + k: v for k, v in want.items()}, lead
+  # but a scanned attention whose leaves all lead with (layers, d) holds no experts: its matrices stay
+  attn = {"wq": jnp.ones((3, 16, 2, 8)), "wk": jnp.ones((3, 16, 16)), "wv": jnp.ones((3, 16, 16)),
+          "wo": jnp.ones((3, 16, 16))}
+  fused = {"w_qkv": jnp.ones((3, 16, 3, 16)), "w_o": jnp.ones((3, 16, 16))}
+  for tree in (attn, fused):
+    want = {f"layers/attn/{k}": "muon" for k in tree}
+    assert _flat_labels({"layers": {"attn": tree, "ln": jnp.ones((3, 16))}}) == {**want, "layers/ln": "adam"}
+    assert _flat_labels({"layers": {"attn": tree}}) == want
 
 
 def test_what_shows_no_stack_keeps_its_matrices_and_the_listed_rules_decide():
@@ -399,9 +407,20 @@ def test_a_layers_sub_modules_are_matrices_scanned_as_unscanned():
       "layer/output/dense/weight": "muon", "layer/output/dense/bias": "adam"}
   assert _flat_labels({"layer": eqx.filter([Block(k) for k in keys], eqx.is_array)})["layer/0/output/dense/weight"] \
       == "muon"
-  # a head that owns its leaf stays a head, stacked too
+  # a head that owns its leaf stays a head, stacked too; and so does a stack of heads (an ensemble)
   assert _flat_labels({"layers": {"mlp": {"w": jnp.ones((2, 8, 16))}, "head": {"w": jnp.ones((2, 8, 16))}}}) == {
       "layers/mlp/w": "muon", "layers/head/w": "adam"}
+
+  class Head(eqx.Module):
+    norm: eqx.nn.LayerNorm
+    proj: eqx.nn.Linear
+
+    def __init__(self, key):
+      self.norm, self.proj = eqx.nn.LayerNorm(16), eqx.nn.Linear(16, 50, use_bias=False, key=key)
+
+  ensemble = {"embed": eqx.filter(eqx.nn.Embedding(50, 16, key=keys[0]), eqx.is_array),
+              "head": eqx.filter(eqx.filter_vmap(Head)(jax.random.split(keys[0], 3)), eqx.is_array)}
+  assert _flat_labels(ensemble)["head/proj/weight"] == "adam"
 
 
 def test_a_projection_to_one_output_goes_to_adamw_scanned_as_unscanned():

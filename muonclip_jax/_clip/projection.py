@@ -49,9 +49,10 @@ class Projection:
   Attributes:
     name: the projection's sub-module path under the attention module; may contain ``/``.
     leaf: the kernel's leaf name (``"kernel"``; Gemma: ``"w"``). A bias is the leaf
-      ``bias`` next to it, with the kernel's axes less the ``"in"`` axes; its layer axes
-      where ``nn.scan`` puts them (``param_scan_axis=1``: ``(heads, layers, head_dim)``
-      beside the kernel ``(in, layers, heads, head_dim)``) or first (``declared_bias_order``).
+      ``bias`` next to it, with the kernel's axes less the ``"in"`` axes, in their order or
+      with its layer axes where ``nn.scan`` puts them (``param_scan_axis=1``: ``(heads,
+      layers, head_dim)`` beside the kernel ``(in, layers, heads, head_dim)``;
+      ``declared_bias_order``).
     axes: ``None`` (the form is detected from the layout and the shapes, or read from
       logical axis names), or one name per kernel axis, in storage order:
       ``"layers"``: a stacked layer axis (any position, any number of them);
@@ -219,8 +220,9 @@ def declared_bias_order(caller: str, path: str, axes, shape, bias_path: str, bia
   axes in the kernel's order (MaxText's ``param_scan_axis=1``: kernel ``(embed, layers, heads,
   head_dim)``, bias ``(heads, layers, head_dim)``); and the kernel's axes less ``"in"``
   (``(layers, heads, head_dim)``). They differ only when an ``"in"`` axis precedes a layer axis.
-  Where both fit the shape, the bias's logical names decide (its stacked-layer axes' positions),
-  else ``nn.scan``'s. ValueError naming ``bias_path`` when neither fits, or the names fit neither.
+  The bias's logical names, when they name as many stacked-layer axes as the kernel has, must
+  put them where the order does; where both fit, they decide, else ``nn.scan``'s order does.
+  ValueError naming ``bias_path`` when neither fits, or the names fit neither.
   """
   rest = [i for i, a in enumerate(axes) if a != "in"]
   scan = [i for i in rest if axes[i] != "layers"]
@@ -230,16 +232,16 @@ def declared_bias_order(caller: str, path: str, axes, shape, bias_path: str, bia
   orders = list(dict.fromkeys([tuple(rest.index(i) for i in scan), tuple(range(len(rest)))]))
   bias_shape = tuple(bias_shape)
   fit = [o for o in orders if tuple(shape[rest[j]] for j in o) == bias_shape]
-  if bias_names is not None and len(bias_names) == len(bias_shape):
-    layer_at = [k for k, n in enumerate(bias_names) if n in LAYER_NAMES]
+  layer_at = [k for k, n in enumerate(bias_names or ()) if n in LAYER_NAMES]
+  if len(bias_names or ()) == len(bias_shape) and len(layer_at) == axes.count("layers"):
     fit = [o for o in fit if [k for k, j in enumerate(o) if axes[rest[j]] == "layers"] == layer_at]
   if not fit:
     want = " or ".join(str(tuple(shape[rest[j]] for j in o)) for o in orders)
     named = "" if bias_names is None else f" and logical names {tuple(bias_names)}"
     raise ValueError(
         f"{caller}: {bias_path} has shape {bias_shape}{named}; expected {want}, the shape of {path} {tuple(shape)} "
-        f"(declared axes {axes}) without its 'in' axes, its layer axes where nn.scan puts them (at the kernel's "
-        "positions) or first"
+        f"(declared axes {axes}) without its 'in' axes, in their order or with its layer axes where nn.scan puts "
+        "them (at the kernel's positions)"
     )
   return None if fit[0] == tuple(range(len(rest))) else fit[0]
 

@@ -117,33 +117,34 @@ def _in_numbered_layer(parts: list[str]) -> bool:
 
 def default_label(path: str, shape: tuple[int, ...], names: tuple | None = None, *,
                   vocab: frozenset[tuple[int, int]] = frozenset(), role: str | None = None,
-                  router: str = MUON, stacked: bool = False) -> str:
+                  router: str = MUON, stack_root: int | None = None) -> str:
   """``"muon"`` for a hidden weight matrix, ``"frozen"`` for a routing bias, ``"adam"`` for everything else.
 
   The rules, in order, are listed in ``muon_labels``' docstring (``role`` is what the type
   of the layer that owns the leaf says, rules 2 and 9; ``vocab`` the tree's embedding tables,
-  rule 8; ``router`` the label of a router's matrix, rule 10; ``stacked``: the leaf lies in a
-  sub-tree that its stack shows to be stacked layers, ``read_stacks``, rule 6).
+  rule 8; ``router`` the label of a router's matrix, rule 10; ``stack_root``: the length of the
+  path of the stacked layers that hold the leaf, ``read_stacks``, rule 6).
   """
   raw = [p for p in path.split("/") if p]
   parts = [p.lower() for p in raw]
   if parts and parts[-1] in ROUTING_BIAS_NAMES:
     return FROZEN
-  stacked = (stacked or (role == MATRIX and len(shape) >= 3)
-             or (names is not None and any(n in LAYER_NAMES for n in names)))
-  label = _matrix_or_adam(parts, shape, names, vocab, role, _in_numbered_layer(raw), _head_in_layer(raw, stacked))
+  if stack_root is None and names is not None and any(n in LAYER_NAMES for n in names):
+    stack_root = 1  # a layer axis in its names: stacked layers, below the top-level module
+  label = _matrix_or_adam(parts, shape, names, vocab, role, _in_numbered_layer(raw), _head_in_layer(raw, stack_root))
   return router if label == MUON and _is_router(parts) else label
 
 
-def _head_in_layer(raw: list[str], stacked: bool) -> bool:
+def _head_in_layer(raw: list[str], stack_root: int | None) -> bool:
   """A head name (rule 6) that names a repeated layer's own sub-module: inside a layer (after a
-  numbered component, or in stacked layers) and holding a named module of its own (BERT's
-  ``layer/0/output/dense``, scanned ``layer/output/dense``). A head name that owns the leaf
-  (``ViT_0/head/kernel``, ``models/0/classifier/kernel``) or is followed by numbered parts
-  (``classifier/1/kernel``) names a head."""
+  numbered component, or below the root of stacked layers, ``raw[:stack_root]``) and holding a
+  named module of its own (BERT's ``layer/0/output/dense``, scanned ``layer/output/dense``). A
+  head name that owns the leaf (``ViT_0/head/kernel``, ``models/0/classifier/kernel``), is the
+  stacked module itself (``head/proj`` stacked: several output heads) or is followed by numbered
+  parts (``classifier/1/kernel``) names a head."""
   first = next((i for i, p in enumerate(raw) if p.lower() in _HEAD_NAMES), None)
   return (first is not None and first < len(raw) - 2 and not raw[first + 1][-1:].isdigit()
-          and (stacked or any(p[-1:].isdigit() for p in raw[:first])))
+          and ((stack_root is not None and first >= stack_root) or any(p[-1:].isdigit() for p in raw[:first])))
 
 
 def _unit_side(parts: list[str], shape: tuple[int, ...], names: tuple | None, role: str | None) -> bool:
@@ -167,8 +168,9 @@ def _matrix_or_adam(parts: list[str], shape: tuple[int, ...], names: tuple | Non
   if role is None and parts and (parts[-1] in _VECTOR_LEAF_NAMES or any(_is_norm(p) for p in parts)):
     return ADAM
   vocab_shaped = len(shape) == 2 and any(shape in ((v, w), (w, v)) for v, w in vocab)
+  head_shaped = any(shape[-2:] in ((v, w), (w, v)) for v, w in vocab)  # stacked too
   if any(w in p for p in parts for w in _EMBEDDING_WORDS) or (
-      any(p in _HEAD_NAMES for p in parts) and (not head_numbered or vocab_shaped)):
+      any(p in _HEAD_NAMES for p in parts) and (not head_numbered or head_shaped)):
     return ADAM
   # a router's expert axis is its matrix's output (``("embed", "exp")``), not a batch axis
   batch = STACK_NAMES if names is None else router_batch_names("/".join(parts), names)
@@ -179,61 +181,63 @@ def _matrix_or_adam(parts: list[str], shape: tuple[int, ...], names: tuple | Non
   return ADAM if role == STACKED_VECTOR else MUON
 
 
-def read_stacks(params: Any) -> tuple[frozenset[str], frozenset[str]]:
+def read_stacks(params: Any) -> tuple[frozenset[str], dict[str, int]]:
   """What stacks of layers show: the paths of the leaves that are one vector per layer (rule 9 of
-  ``default_label``), and of every leaf that lies in stacked layers (rule 6).
+  ``default_label``), and, for every leaf that lies in stacked layers, the length of the path of
+  their sub-tree (rule 6: a head name below it is a layer's sub-module).
 
   Stacking layers (``nn.scan``, ``eqx.filter_vmap``, ``jnp.stack`` by hand) puts one leading
   axis of the same size L on every leaf of the stacked sub-tree: a norm gain becomes
   ``(L, dim)``, a kernel ``(L, in, out)``. A sub-tree of two leaves or more in which every
   leaf has rank >= 2 and the same leading size, and one has rank >= 3 (a stacked matrix,
   which shows the layer axis), is read as stacked layers; a leaf lies in stacked layers when
-  the largest such sub-tree above it is one. A 2-D leaf ``(L, dim)`` there is a stacked vector,
-  unless it is named ``kernel`` (Flax's name for a matrix: stacked, a kernel has rank >= 3;
-  an unscanned attention of a DenseGeneral query ``(d, heads, head_dim)`` beside Dense
-  ``(d, kv)`` keys and values has the same leading size everywhere) or is a router's (a path
-  component ``gate`` or ``router``: stored ``(experts, d)`` beside its ``(experts, d, f)``
-  experts, its leading size is theirs, yet it is one matrix). Unstacked layers have rank-1
-  vectors (biases, gains) beside their matrices, and their matrices' leading sizes differ
-  (``(d, 4d)`` and ``(4d, d)``), so such a sub-tree does not form there. Scanned experts
-  stack twice: a sub-tree whose leaves all lead with the same two sizes ``(L, E)`` and have
-  rank >= 3, one rank >= 4, shows layers of experts, and a 3-D leaf ``(L, E, f)`` there is a
-  vector per layer and expert (an unnamed per-expert bias, ``(E, f)`` unscanned). What can still be
-  read as stacked: another genuine ``(E, d)`` matrix not named ``kernel`` in a sub-tree whose
-  every leaf has leading size E and rank >= 2 next to a rank-3 leaf: it then goes to AdamW
-  (pass ``labels`` to send it to Muon). Leaves with logical names or of a known layer type
-  are left to those (not returned).
+  the largest such sub-tree above it is one. A 2-D leaf ``(L, dim)`` there without logical
+  names or a known layer type is a stacked vector, unless it is named ``kernel`` (Flax's name
+  for a matrix: stacked, a kernel has rank >= 3; an unscanned attention of a DenseGeneral
+  query ``(d, heads, head_dim)`` beside Dense ``(d, kv)`` keys and values has the same leading
+  size everywhere) or is a router's (a path component ``gate`` or ``router``: stored
+  ``(experts, d)`` beside its ``(experts, d, f)`` experts, its leading size is theirs, yet it
+  is one matrix). Unstacked layers have rank-1 vectors (biases, gains) beside their matrices,
+  and their matrices' leading sizes differ (``(d, 4d)`` and ``(4d, d)``), so such a sub-tree
+  does not form there. Scanned experts stack twice: a sub-tree whose leaves all lead with the
+  same two sizes ``(L, E)`` and have rank >= 3, two of them (the experts' matrices) rank >= 4,
+  shows layers of experts, and a 3-D leaf ``(L, E, f)`` there whose ``f`` is the output size of
+  one of those matrices is a vector per layer and expert (an unnamed per-expert bias, ``(E,
+  f)`` unscanned). What can still be read as stacked: another genuine ``(E, d)`` matrix not
+  named ``kernel`` in a sub-tree whose every leaf has leading size E and rank >= 2 next to a
+  rank-3 leaf: it then goes to AdamW (pass ``labels`` to send it to Muon).
   """
   flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_box)[0]
   roles = leaf_roles(params)
-  leaves = [(path_str(p), leaf_shape(x)) for p, x in flat
-            if not (is_box(x) and logical_names(x) is not None) and path_str(p) not in roles]
-  everything = [(path_str(p), leaf_shape(x)) for p, x in flat]
-  # (k, prefix) -> [leading k sizes, smallest rank, holds rank >= k + 2, leaves]: k = 1 stacks
-  # layers (or experts), k = 2 layers of experts
+  # (path, shape, neither named nor of a known layer type)
+  everything = [(path_str(p), leaf_shape(x), path_str(p) not in roles and not (is_box(x) and logical_names(x)))
+                for p, x in flat]
+  # (k, prefix) -> [leading k sizes, smallest rank, output sizes of the leaves of rank >= k + 2, leaves]:
+  # k = 1 stacks layers (or experts), k = 2 layers of experts
   subtrees: dict[tuple[int, tuple[str, ...]], list] = {}
-  for path, shape in everything:
+  for path, shape, _ in everything:
     parts = tuple(path.split("/"))
     for k, cut in itertools.product((1, 2), range(len(parts))):
-      entry = subtrees.setdefault((k, parts[:cut]), [set(), len(shape), False, 0])
+      entry = subtrees.setdefault((k, parts[:cut]), [set(), len(shape), [], 0])
       entry[0].add(shape[:k] if len(shape) >= k else None)
       entry[1] = min(entry[1], len(shape))
-      entry[2] = entry[2] or len(shape) >= k + 2
+      entry[2] += [shape[-1]] if len(shape) >= k + 2 else []
       entry[3] += 1
-  vectors, members = set(), set()
-  for path, shape in leaves:
+  vectors, members = set(), {}
+  for path, shape, bare in everything:
     parts = tuple(path.split("/"))
     for k in (1, 2):
       for cut in range(len(parts)):  # from the root down: the first that qualifies is the largest
-        sizes, rank, has_matrix, count = subtrees[(k, parts[:cut])]
+        sizes, rank, outputs, count = subtrees[(k, parts[:cut])]
         if len(sizes) == 1 and rank >= k + 1:
-          if has_matrix and count >= 2:
-            if k == 1:
-              members.add(path)
-            if len(shape) == k + 1 and parts[-1] != "kernel" and not _is_router([p.lower() for p in parts]):
-              vectors.add(path)
+          if outputs and count >= 2 and k == 1:
+            members[path] = cut
+          vector = k == 1 or (len(outputs) >= 2 and shape[-1] in outputs)
+          if (outputs and count >= 2 and vector and bare and len(shape) == k + 1 and parts[-1] != "kernel"
+              and not _is_router([p.lower() for p in parts])):
+            vectors.add(path)
           break
-  return frozenset(vectors), frozenset(members)
+  return frozenset(vectors), members
 
 
 def muon_labels(params: Any, *, router: str = MUON) -> Any:
@@ -347,7 +351,7 @@ def muon_labels(params: Any, *, router: str = MUON) -> Any:
   """
   if router not in (MUON, ADAM):
     raise ValueError(f"muon_labels: router must be {MUON!r} or {ADAM!r}, got {router!r}")
-  vocab, roles, (vectors, stacked) = vocab_sizes(params), leaf_roles(params), read_stacks(params)
+  vocab, roles, (vectors, roots) = vocab_sizes(params), leaf_roles(params), read_stacks(params)
 
   def role(path):
     return roles[path].kind if path in roles else (STACKED_VECTOR if path in vectors else None)
@@ -356,9 +360,9 @@ def muon_labels(params: Any, *, router: str = MUON) -> Any:
     path = path_str(p)
     if not is_box(x):
       return default_label(path, tuple(x.shape), vocab=vocab, role=role(path), router=router,
-                           stacked=path in stacked)
+                           stack_root=roots.get(path))
     return jax.tree.map(lambda _: default_label(path, leaf_shape(x), logical_names(x), vocab=vocab, role=role(path),
-                                                router=router, stacked=path in stacked), x)
+                                                router=router, stack_root=roots.get(path)), x)
 
   return jax.tree_util.tree_map_with_path(label, params, is_leaf=is_box)
 
