@@ -397,14 +397,16 @@ def test_a_layers_sub_modules_are_matrices_scanned_as_unscanned():
     dense: eqx.nn.Linear
 
   class Block(eqx.Module):
+    intermediate: eqx.nn.Linear
     output: Output
 
     def __init__(self, key):
+      self.intermediate = eqx.nn.Linear(8, 16, use_bias=False, key=key)
       self.output = Output(eqx.nn.Linear(16, 8, key=key))
 
   keys = jax.random.split(jax.random.key(0), 2)
   assert _flat_labels({"layer": eqx.filter(eqx.filter_vmap(Block)(keys), eqx.is_array)}) == {
-      "layer/output/dense/weight": "muon", "layer/output/dense/bias": "adam"}
+      "layer/intermediate/weight": "muon", "layer/output/dense/weight": "muon", "layer/output/dense/bias": "adam"}
   assert _flat_labels({"layer": eqx.filter([Block(k) for k in keys], eqx.is_array)})["layer/0/output/dense/weight"] \
       == "muon"
   # a head that owns its leaf stays a head, stacked too; and so does a stack of heads (an ensemble)
@@ -421,6 +423,22 @@ def test_a_layers_sub_modules_are_matrices_scanned_as_unscanned():
   ensemble = {"embed": eqx.filter(eqx.nn.Embedding(50, 16, key=keys[0]), eqx.is_array),
               "head": eqx.filter(eqx.filter_vmap(Head)(jax.random.split(keys[0], 3)), eqx.is_array)}
   assert _flat_labels(ensemble)["head/proj/weight"] == "adam"
+
+  class Model(eqx.Module):  # an ensemble of whole models: a head inside each is still a head
+    embed: eqx.nn.Embedding
+    mlp: eqx.nn.Linear
+    classifier: Output
+
+    def __init__(self, key):
+      self.embed, self.mlp = eqx.nn.Embedding(50, 16, key=key), eqx.nn.Linear(16, 16, key=key)
+      self.classifier = Output(eqx.nn.Linear(16, 4, key=key))
+
+  want = {"mlp/weight": "muon", "embed/weight": "adam", "classifier/dense/weight": "adam"}
+  for models, prefixes in ((eqx.filter_vmap(Model)(keys), ["models/"]),
+                           ([Model(k) for k in keys], ["models/0/", "models/1/"])):
+    labels = _flat_labels({"models": eqx.filter(models, eqx.is_array)})
+    assert {k: v for k, v in labels.items() if k.endswith("weight")} == {
+        p + k: v for p in prefixes for k, v in want.items()}, labels
 
 
 def test_a_projection_to_one_output_goes_to_adamw_scanned_as_unscanned():

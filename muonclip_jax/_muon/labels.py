@@ -117,34 +117,68 @@ def _in_numbered_layer(parts: list[str]) -> bool:
 
 def default_label(path: str, shape: tuple[int, ...], names: tuple | None = None, *,
                   vocab: frozenset[tuple[int, int]] = frozenset(), role: str | None = None,
-                  router: str = MUON, stack_root: int | None = None) -> str:
+                  router: str = MUON, layer_module: bool | None = None) -> str:
   """``"muon"`` for a hidden weight matrix, ``"frozen"`` for a routing bias, ``"adam"`` for everything else.
 
   The rules, in order, are listed in ``muon_labels``' docstring (``role`` is what the type
   of the layer that owns the leaf says, rules 2 and 9; ``vocab`` the tree's embedding tables,
-  rule 8; ``router`` the label of a router's matrix, rule 10; ``stack_root``: the length of the
-  path of the stacked layers that hold the leaf, ``read_stacks``, rule 6).
+  rule 8; ``router`` the label of a router's matrix, rule 10; ``layer_module``: whether a head
+  name in the path is a repeated layer's own sub-module, rule 6, which ``muon_labels`` reads
+  from the tree, ``layer_modules``; None: from the path and names alone, ``_layer_root``).
   """
   raw = [p for p in path.split("/") if p]
   parts = [p.lower() for p in raw]
   if parts and parts[-1] in ROUTING_BIAS_NAMES:
     return FROZEN
-  if stack_root is None and names is not None and any(n in LAYER_NAMES for n in names):
-    stack_root = 1  # a layer axis in its names: stacked layers, below the top-level module
-  label = _matrix_or_adam(parts, shape, names, vocab, role, _in_numbered_layer(raw), _head_in_layer(raw, stack_root))
+  if layer_module is None:
+    first = _head_position(raw)
+    layer_module = first is not None and _layer_root(raw, first, _named_stack(names)) is not None
+  label = _matrix_or_adam(parts, shape, names, vocab, role, _in_numbered_layer(raw), layer_module)
   return router if label == MUON and _is_router(parts) else label
 
 
-def _head_in_layer(raw: list[str], stack_root: int | None) -> bool:
-  """A head name (rule 6) that names a repeated layer's own sub-module: inside a layer (after a
-  numbered component, or below the root of stacked layers, ``raw[:stack_root]``) and holding a
-  named module of its own (BERT's ``layer/0/output/dense``, scanned ``layer/output/dense``). A
-  head name that owns the leaf (``ViT_0/head/kernel``, ``models/0/classifier/kernel``), is the
-  stacked module itself (``head/proj`` stacked: several output heads) or is followed by numbered
-  parts (``classifier/1/kernel``) names a head."""
+def _head_position(raw: list[str]) -> int | None:
+  """The index of a head name (rule 6) that holds a named module of its own: not the leaf's own
+  module (``ViT_0/head/kernel``) nor followed by numbered parts (``classifier/1/kernel``)."""
   first = next((i for i, p in enumerate(raw) if p.lower() in _HEAD_NAMES), None)
-  return (first is not None and first < len(raw) - 2 and not raw[first + 1][-1:].isdigit()
-          and ((stack_root is not None and first >= stack_root) or any(p[-1:].isdigit() for p in raw[:first])))
+  return first if first is not None and first < len(raw) - 2 and not raw[first + 1][-1:].isdigit() else None
+
+
+def _named_stack(names: tuple | None) -> int | None:
+  """Where stacked layers start by a leaf's logical names: a layer axis, below the top-level module."""
+  return 1 if names is not None and any(n in LAYER_NAMES for n in names) else None
+
+
+def _layer_root(raw: list[str], first: int, stack_root: int | None) -> int | None:
+  """The length of the path of the repeated layer that holds the head name at ``first``: its
+  stacked layers' (``stack_root``, when the name lies below it), else the last numbered component
+  before it (``layer/0``); None when the name lies in no layer."""
+  if stack_root is not None and stack_root <= first:
+    return stack_root
+  numbered = [j for j in range(first) if raw[j][-1:].isdigit()]
+  return numbered[-1] + 1 if numbered else None
+
+
+def layer_modules(leaves: list[tuple[str, tuple[int, ...], tuple | None]], roots: dict[str, int]) -> frozenset[str]:
+  """The paths (of ``(path, shape, names)`` leaves) whose head name is a repeated layer's own
+  sub-module (rule 6): it holds a named module of its own, lies in a layer (``_layer_root``;
+  ``roots``: ``read_stacks``' stacked layers) and that layer holds a matrix beside the head's
+  module and no embedding table: a layer, not a lone stack of heads (an ensemble of heads,
+  ``nn.vmap``-ed) nor a whole model (an ensemble of models, listed or ``eqx.filter_vmap``-ed)."""
+  split = [(path.split("/"), shape) for path, shape, _ in leaves]
+  found = set()
+  for path, shape, names in leaves:
+    raw = path.split("/")
+    first = _head_position(raw)
+    root = None if first is None else _layer_root(raw, first, roots.get(path, _named_stack(names)))
+    if root is None:
+      continue
+    inside = [(p, s) for p, s in split if p[:root] == raw[:root]]
+    beside = any(len(s) >= 2 and p[:first + 1] != raw[:first + 1] for p, s in inside)
+    model = any(w in c.lower() for p, _ in inside for c in p[root:] for w in _EMBEDDING_WORDS)
+    if beside and not model:
+      found.add(path)
+  return frozenset(found)
 
 
 def _unit_side(parts: list[str], shape: tuple[int, ...], names: tuple | None, role: str | None) -> bool:
@@ -162,7 +196,7 @@ def _unit_side(parts: list[str], shape: tuple[int, ...], names: tuple | None, ro
 
 def _matrix_or_adam(parts: list[str], shape: tuple[int, ...], names: tuple | None,
                     vocab: frozenset[tuple[int, int]], role: str | None, numbered: bool,
-                    head_numbered: bool = False) -> str:
+                    layer_module: bool = False) -> str:
   if len(shape) < 2 or _unit_side(parts, shape, names, role) or role not in (None, MATRIX, STACKED_VECTOR):
     return ADAM
   if role is None and parts and (parts[-1] in _VECTOR_LEAF_NAMES or any(_is_norm(p) for p in parts)):
@@ -170,7 +204,7 @@ def _matrix_or_adam(parts: list[str], shape: tuple[int, ...], names: tuple | Non
   vocab_shaped = len(shape) == 2 and any(shape in ((v, w), (w, v)) for v, w in vocab)
   head_shaped = any(shape[-2:] in ((v, w), (w, v)) for v, w in vocab)  # stacked too
   if any(w in p for p in parts for w in _EMBEDDING_WORDS) or (
-      any(p in _HEAD_NAMES for p in parts) and (not head_numbered or head_shaped)):
+      any(p in _HEAD_NAMES for p in parts) and (not layer_module or head_shaped)):
     return ADAM
   # a router's expert axis is its matrix's output (``("embed", "exp")``), not a batch axis
   batch = STACK_NAMES if names is None else router_batch_names("/".join(parts), names)
@@ -201,17 +235,18 @@ def read_stacks(params: Any) -> tuple[frozenset[str], dict[str, int]]:
   and their matrices' leading sizes differ (``(d, 4d)`` and ``(4d, d)``), so such a sub-tree
   does not form there. Scanned experts stack twice: a sub-tree whose leaves all lead with the
   same two sizes ``(L, E)`` and have rank >= 3, two of them (the experts' matrices) rank >= 4,
-  shows layers of experts, and a 3-D leaf ``(L, E, f)`` there whose ``f`` is the output size of
-  one of those matrices is a vector per layer and expert (an unnamed per-expert bias, ``(E,
-  f)`` unscanned). What can still be read as stacked: another genuine ``(E, d)`` matrix not
-  named ``kernel`` in a sub-tree whose every leaf has leading size E and rank >= 2 next to a
-  rank-3 leaf: it then goes to AdamW (pass ``labels`` to send it to Muon).
+  shows layers of experts, and a 3-D leaf ``(L, E, f)`` there, under a path component containing
+  ``expert`` or ``moe``, whose ``f`` is the output size of one of those matrices is a vector per
+  layer and expert (an unnamed per-expert bias, ``(E, f)`` unscanned). What can still be read as
+  stacked: another genuine ``(E, d)`` matrix not named ``kernel`` in a sub-tree whose every
+  leaf has leading size E and rank >= 2 next to a rank-3 leaf: it then goes to AdamW (pass
+  ``labels`` to send it to Muon).
   """
   flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_box)[0]
   roles = leaf_roles(params)
+  decided = set(roles) | {path_str(p) for p, x in flat if is_box(x) and logical_names(x) is not None}
   # (path, shape, neither named nor of a known layer type)
-  everything = [(path_str(p), leaf_shape(x), path_str(p) not in roles and not (is_box(x) and logical_names(x)))
-                for p, x in flat]
+  everything = [(path_str(p), leaf_shape(x), path_str(p) not in decided) for p, x in flat]
   # (k, prefix) -> [leading k sizes, smallest rank, output sizes of the leaves of rank >= k + 2, leaves]:
   # k = 1 stacks layers (or experts), k = 2 layers of experts
   subtrees: dict[tuple[int, tuple[str, ...]], list] = {}
@@ -232,7 +267,8 @@ def read_stacks(params: Any) -> tuple[frozenset[str], dict[str, int]]:
         if len(sizes) == 1 and rank >= k + 1:
           if outputs and count >= 2 and k == 1:
             members[path] = cut
-          vector = k == 1 or (len(outputs) >= 2 and shape[-1] in outputs)
+          vector = k == 1 or (len(outputs) >= 2 and shape[-1] in outputs
+                              and any("expert" in p.lower() or "moe" in p.lower() for p in parts))
           if (outputs and count >= 2 and vector and bare and len(shape) == k + 1 and parts[-1] != "kernel"
               and not _is_router([p.lower() for p in parts])):
             vectors.add(path)
@@ -272,11 +308,13 @@ def muon_labels(params: Any, *, router: str = MUON) -> Any:
   6. a path component named ``lm_head``, ``head``, ``unembed``, ``output``, ``output_head``,
      ``output_layer``, ``logits``, ``logits_dense`` or ``classifier`` (output heads; MaxText's
      is ``logits_dense``): AdamW. Whole components only: ``heads`` is not ``head``. A name inside
-     one of the repeated layers (after a numbered component, rule 8's, or in stacked layers:
-     a layer axis in its logical names, a stacked Equinox ``Linear``, or ``read_stacks``)
-     that holds a named module of its own is that layer's sub-module, not a head (BERT's
-     ``layer/0/output/dense`` and ``layer/0/attention/output/dense``, scanned
-     ``layer/output/dense``: Muon), unless the leaf has a token-embedding
+     one of the repeated layers (after a numbered component, rule 8's, or below the root of
+     stacked layers, ``read_stacks``, or from the second path component on when the leaf's
+     logical names hold a layer axis) that holds a named module of its own is that layer's
+     sub-module, not a head (BERT's ``layer/0/output/dense`` and
+     ``layer/0/attention/output/dense``, scanned ``layer/output/dense``: Muon), when that
+     layer holds a matrix beside it and no embedding table (``layer_modules``: not a lone
+     stack of heads, nor a whole model of an ensemble), unless the leaf has a token-embedding
      table's shape. A name that owns the leaf (``ViT_0/head/kernel``, DeepSeek-V3's
      multi-token-prediction head ``layers/61/shared_head/head``, ``models/0/classifier``) or
      is followed by numbered parts (``classifier/1``, ``head/layers_1``) is a head.
@@ -298,11 +336,12 @@ def muon_labels(params: Any, *, router: str = MUON) -> Any:
   9. ``role`` ``STACKED_VECTOR``: a 2-D leaf without logical names or a known layer type
      that its stack shows to be one vector per layer (``read_stacks``: the largest
      sub-tree above it whose leaves all share its leading size and all have rank >= 2
-     holds a leaf of rank >= 3, a stacked matrix), or a 3-D one per layer and expert (the
-     same with two leading sizes): AdamW. This covers ``nn.scan`` without
-     logical names, ``eqx.filter_vmap`` stacks of layers of unknown types and hand-made
-     stacks. Not applied to a router (below), nor to a leaf named ``kernel`` (Flax's
-     matrices; stacked, a kernel has rank >= 3).
+     holds a leaf of rank >= 3, a stacked matrix, and another leaf), or a 3-D one per layer
+     and expert (the same with two leading sizes, two expert matrices of rank 4, one of them
+     of the leaf's output size, under a path component containing ``expert`` or ``moe``):
+     AdamW. This covers ``nn.scan`` without logical names, ``eqx.filter_vmap`` stacks of
+     layers of unknown types and hand-made stacks. Not applied to a router (below), nor to a
+     leaf named ``kernel`` (Flax's matrices; stacked, a kernel has rank >= 3).
   10. everything else of rank >= 2: Muon (stacked layers, expert stacks and DenseGeneral
       kernels included; which axes form the matrix is ``matrix_axes``'s business). A
       mixture-of-experts router, i.e. a leaf under a path component named ``gate`` or
@@ -352,6 +391,9 @@ def muon_labels(params: Any, *, router: str = MUON) -> Any:
   if router not in (MUON, ADAM):
     raise ValueError(f"muon_labels: router must be {MUON!r} or {ADAM!r}, got {router!r}")
   vocab, roles, (vectors, roots) = vocab_sizes(params), leaf_roles(params), read_stacks(params)
+  flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_box)[0]
+  modules = layer_modules([(path_str(p), leaf_shape(x), logical_names(x) if is_box(x) else None) for p, x in flat],
+                          roots)
 
   def role(path):
     return roles[path].kind if path in roles else (STACKED_VECTOR if path in vectors else None)
@@ -360,9 +402,9 @@ def muon_labels(params: Any, *, router: str = MUON) -> Any:
     path = path_str(p)
     if not is_box(x):
       return default_label(path, tuple(x.shape), vocab=vocab, role=role(path), router=router,
-                           stack_root=roots.get(path))
+                           layer_module=path in modules)
     return jax.tree.map(lambda _: default_label(path, leaf_shape(x), logical_names(x), vocab=vocab, role=role(path),
-                                                router=router, stack_root=roots.get(path)), x)
+                                                router=router, layer_module=path in modules), x)
 
   return jax.tree_util.tree_map_with_path(label, params, is_leaf=is_box)
 
