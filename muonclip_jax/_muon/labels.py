@@ -265,11 +265,12 @@ def read_stacks(params: Any) -> tuple[frozenset[str], dict[str, int]]:
       for cut in range(len(parts)):  # from the root down: the first that qualifies is the largest
         sizes, rank, outputs, count = subtrees[(k, parts[:cut])]
         if len(sizes) == 1 and rank >= k + 1:
-          if outputs and count >= 2 and k == 1:
+          stacked = bool(outputs) and count >= 2
+          if stacked and k == 1:
             members[path] = cut
-          vector = k == 1 or (len(outputs) >= 2 and shape[-1] in outputs
-                              and any("expert" in p.lower() or "moe" in p.lower() for p in parts))
-          if (outputs and count >= 2 and vector and bare and len(shape) == k + 1 and parts[-1] != "kernel"
+          bias_like = k == 1 or (len(outputs) >= 2 and shape[-1] in outputs
+                                 and any("expert" in p.lower() or "moe" in p.lower() for p in parts))
+          if (stacked and bias_like and bare and len(shape) == k + 1 and parts[-1] != "kernel"
               and not _is_router([p.lower() for p in parts])):
             vectors.add(path)
           break
